@@ -1,0 +1,379 @@
+"""Measure what PyTorch really holds: the ground truth the symbolic formulas are checked against.
+
+Three measurements, all counting tensor *storages* (the allocations), never tensors,
+so views, tied weights and in-place results are counted once:
+
+* :func:`param_bytes` -- bytes of a module's parameters.
+* :func:`saved_bytes` -- bytes autograd keeps for backward after a forward pass
+  ("activations"), seen through :func:`torch.autograd.graph.saved_tensors_hooks`.
+* :func:`training_step` -- live bytes after every operator of one training iteration
+  (forward, backward, optimizer step), seen through a ``TorchDispatchMode``.
+
+Limits, common to all three:
+
+* Bytes are ``UntypedStorage.nbytes()``: the CUDA caching allocator's rounding (to
+  512-byte blocks and larger segments), fragmentation, cuBLAS/cuDNN workspaces and the
+  CUDA context are not modelled. On CUDA, :func:`training_step` also reports
+  ``torch.cuda.max_memory_allocated()`` beside the exact storage count.
+* Only dense (strided) tensors with a real storage are counted; sparse, nested and
+  meta tensors are ignored.
+* Memory an operator allocates and frees *inside* its kernel (scratch space) is invisible:
+  it is neither an input nor an output of any dispatched operator.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+try:
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("symmem.measure needs PyTorch: pip install 'symmem[torch]'") from exc
+
+__all__ = [
+    "SavedEntry",
+    "SavedReport",
+    "Sample",
+    "StepReport",
+    "param_bytes",
+    "saved_bytes",
+    "training_step",
+]
+
+_PHASES = ("forward", "backward", "optimizer")
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage of a dense tensor, or None for tensors without a countable one."""
+    if t.layout is not torch.strided or t.is_meta:
+        return None
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # e.g. tensor subclasses without storage
+        return None
+    return st if st.nbytes() > 0 else None
+
+
+def _key(st: torch.UntypedStorage) -> tuple[int, int]:
+    return st.data_ptr(), st.nbytes()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside a nest of tuples, lists and dicts (a ``ModelOutput`` is a dict)."""
+    if isinstance(obj, torch.nn.Module):
+        return [*obj.parameters(), *obj.buffers()]
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters, each storage once (a tied weight counts once)."""
+    storages = {}
+    for p in module.parameters():
+        st = _storage(p)
+        if st is not None:
+            storages[_key(st)] = st.nbytes()
+    return sum(storages.values())
+
+
+# --------------------------------------------------------------------------- saved tensors
+
+
+@dataclass(frozen=True)
+class SavedEntry:
+    """One tensor autograd saved for backward (metadata only, no reference to it).
+
+    ``counted`` is True for the entry that brought its storage into ``SavedReport.total``;
+    False for a later view of an already counted storage and for excluded storages.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    storage_nbytes: int
+    storage_key: tuple[int, int]
+    device: str
+    counted: bool
+
+
+@dataclass(frozen=True)
+class SavedReport:
+    """Bytes autograd holds for backward: ``total`` over distinct, non-excluded storages."""
+
+    total: int
+    entries: tuple[SavedEntry, ...]
+
+    def by_dtype(self) -> dict[str, int]:
+        """Counted bytes per dtype string (a storage is attributed to its first entry)."""
+        out: dict[str, int] = defaultdict(int)
+        for e in self.entries:
+            if e.counted:
+                out[e.dtype] += e.storage_nbytes
+        return dict(out)
+
+
+def _entry(t: torch.Tensor, st: torch.UntypedStorage) -> SavedEntry:
+    dtype = str(t.dtype).removeprefix("torch.")
+    return SavedEntry(tuple(t.shape), dtype, t.nbytes, st.nbytes(), _key(st), str(t.device), False)
+
+
+def _sequence_mark() -> int:
+    """Sequence number of a fresh autograd node: every node created later gets a larger one."""
+    with torch.enable_grad():
+        node = torch.empty(0, requires_grad=True).view(0).grad_fn
+    return -1 if node is None else node._sequence_nr()  # None: no graph (inference mode)
+
+
+def _unhooked_saved(roots: list[torch.Tensor], since: int) -> list[torch.Tensor]:
+    """Tensors saved *without* hooks by graph nodes reachable from ``roots``, newer than ``since``.
+
+    Reads ``SavedTensor.data`` of the raw saved slots, never unpacks: an unpack hook may
+    have side effects (a checkpoint's recomputes its region).
+    """
+    found: list[torch.Tensor] = []
+    names: dict[type, list[str]] = {}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or node._sequence_nr() <= since:
+            continue
+        seen.add(id(node))
+        if type(node) not in names:
+            names[type(node)] = [n for n in dir(node) if n.startswith("_raw_saved_")]
+        for name in names[type(node)]:
+            try:
+                raw = getattr(node, name)
+                slots = raw if isinstance(raw, (list, tuple)) else [raw]
+                for slot in slots:
+                    data = getattr(slot, "data", None)
+                    if isinstance(data, torch.Tensor) and slot.unpack_hook is None:
+                        found.append(data)
+            except RuntimeError:  # already freed by a backward pass
+                continue
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return found
+
+
+def saved_bytes(fn: Callable[[], Any], *, exclude: Any = None) -> SavedReport:
+    """Run ``fn()`` (a forward pass) and count the bytes autograd saved for backward.
+
+    Every tensor autograd packs is recorded by a ``saved_tensors_hooks`` pack hook that
+    returns the tensor detached (the same storage; see ``pack``), so autograd keeps
+    and frees exactly what it would without the hook. Each
+    distinct storage counts once with its full ``nbytes()`` (a view shares its base's
+    storage), keyed by ``(data_ptr, nbytes)``.
+
+    ``exclude``: an ``nn.Module`` (its parameters and buffers) or tensors whose storages
+    are not counted, typically the weights, which exist whether or not they are saved.
+
+    Python scalars (``x * 0.125``) are saved by autograd as 0-dim "wrapped number"
+    tensors (float64 for a float) *without* going through the hooks; they are found by
+    walking the autograd graph from ``fn``'s output (nodes created during ``fn`` only) and
+    counted too. They live in host memory even for CUDA inputs; see ``SavedEntry.device``.
+    Saved-tensor hooks installed inside ``fn`` take precedence over this one: what they
+    pack is not seen. That is right for non-reentrant ``torch.utils.checkpoint`` (it
+    keeps its inputs, seen here, and recomputes the rest) but would miss, e.g., tensors
+    an offloading hook moves to the host.
+
+    The output of ``fn`` is held until counting is done, then released (with the graph it
+    owns); the report keeps metadata only. Storages that were saved but freed before
+    ``fn`` returned (e.g. the graph of a discarded branch) are not counted.
+    """
+    records: list[tuple[SavedEntry, StorageWeakRef]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = _storage(t)
+        if st is not None:
+            records.append((_entry(t, st), StorageWeakRef(st)))
+        # Same storage and version counter; autograd re-attaches grad_fn when unpacking.
+        # Returning ``t`` itself would make a saved output own its own grad_fn: a cycle
+        # the garbage collector cannot break, so the graph would outlive the output.
+        return t.detach()
+
+    since = _sequence_mark()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = fn()
+    saved = [entry for entry, ref in records if not ref.expired()]
+    keys = {e.storage_key for e in saved}
+    for t in _unhooked_saved(_tensors(output), since):  # wrapped numbers bypass the hooks
+        st = _storage(t)
+        if st is not None and _key(st) not in keys:
+            saved.append(_entry(t, st))
+            keys.add(_key(st))
+    del output, records
+
+    excluded = {_key(st) for t in _tensors(exclude) if (st := _storage(t)) is not None}
+    counted: set[tuple[int, int]] = set()
+    entries = []
+    for entry in saved:
+        if entry.storage_key not in counted and entry.storage_key not in excluded:
+            counted.add(entry.storage_key)
+            entry = replace(entry, counted=True)
+        entries.append(entry)
+    return SavedReport(sum(e.storage_nbytes for e in entries if e.counted), tuple(entries))
+
+
+# --------------------------------------------------------------------------- training step
+
+
+class Sample(NamedTuple):
+    """Live bytes right after ``op`` ran (or at a phase boundary, ``op`` = "<start>"/"<end>")."""
+
+    phase: str
+    op: str
+    live_bytes: int
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Live storage bytes over one training iteration (the last of ``training_step``'s)."""
+
+    peak: int
+    peak_phase: str
+    peak_op: str
+    timeline: tuple[Sample, ...]
+    at_start: int
+    phase_peaks: dict[str, int]
+    cuda_max_allocated: int | None = None
+
+
+class _LiveTracker(TorchDispatchMode):
+    """Registers every storage an operator reads or writes; samples live bytes after each op.
+
+    A storage is held through a ``StorageWeakRef`` only, so the tracker never extends a
+    lifetime; it counts while not ``expired()``. Live entries are kept in a dict with a
+    running total, and expired ones are dropped at each sample. Entries are keyed by the
+    storage object (``_cdata``), not its ``data_ptr``, which moves when ``resize_`` grows it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.lock = threading.Lock()  # CUDA backward runs on the engine's device thread
+        self.phase = "setup"
+        self.live = 0
+        self.samples: list[Sample] = []
+        self._entries: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def register(self, t: torch.Tensor) -> None:
+        st = _storage(t)
+        if st is None or st.device != self.device:
+            return
+        key, nbytes = st._cdata, st.nbytes()
+        old = self._entries.get(key)
+        if old is not None:
+            if not old[0].expired():
+                if old[1] != nbytes:  # resized in place
+                    self.live += nbytes - old[1]
+                    self._entries[key] = (old[0], nbytes)
+                return
+            self.live -= old[1]  # freed; a new storage now has its address
+        self._entries[key] = (StorageWeakRef(st), nbytes)
+        self.live += nbytes
+
+    def sample(self, op: str) -> None:
+        dead = [key for key, (ref, _) in self._entries.items() if ref.expired()]
+        for key in dead:
+            self.live -= self._entries.pop(key)[1]
+        self.samples.append(Sample(self.phase, op, self.live))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        with self.lock:
+            for t in tree_leaves((args, kwargs, out)):
+                if isinstance(t, torch.Tensor):
+                    self.register(t)
+            self.sample(str(func))
+        return out
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def training_step(
+    module: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int = 2,
+    extra: Any = (),
+) -> StepReport:
+    """Run ``steps`` training iterations and track live memory over the last one.
+
+    Each iteration is ``optimizer.zero_grad(set_to_none=True)``; ``loss = loss_fn(module)``
+    (phase "forward"); ``loss.backward()`` ("backward"); ``optimizer.step()``
+    ("optimizer"). Earlier iterations are warm-up (the optimizer creates its state in the
+    first one); the last is tracked: after its ``zero_grad`` every tensor that already
+    exists is registered -- parameters, buffers, gradients, optimizer state and ``extra``
+    (tensors, or nests of them, e.g. the input batch) -- then every storage an operator
+    reads or writes while the tracker is active. Live bytes are sampled after each
+    operator and at phase boundaries; ``at_start`` is the sample before the forward.
+
+    Only storages on the module's device count (on CUDA, Adam's ``step`` counters live on
+    the host and are left out). Storages created outside the dispatcher before the step
+    (e.g. by a DataLoader or ``torch.from_numpy``) count only once an operator touches them
+    unless passed in ``extra``; 0-dim wrapped Python scalars that autograd saves (see
+    :func:`saved_bytes`) never pass the dispatcher and are not counted. The autograd engine
+    runs backward with the mode active, so backward operators appear in the timeline.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    for _ in range(steps - 1):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(module).backward()
+        optimizer.step()
+
+    device = _module_device(module)
+    tracker = _LiveTracker(device)
+    optimizer.zero_grad(set_to_none=True)
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    state = list(optimizer.state.values())
+    for t in _tensors([module, grads, state, extra]):
+        tracker.register(t)
+    del grads, state
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    with tracker:
+        tracker.phase = "forward"
+        tracker.sample("<start>")
+        at_start = tracker.live
+        loss = loss_fn(module)
+        tracker.sample("<end>")
+        tracker.phase = "backward"
+        tracker.sample("<start>")
+        loss.backward()
+        tracker.sample("<end>")
+        tracker.phase = "optimizer"
+        tracker.sample("<start>")
+        optimizer.step()
+        tracker.sample("<end>")
+    del loss
+    cuda_max = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        cuda_max = torch.cuda.max_memory_allocated(device)
+
+    timeline = tuple(tracker.samples)
+    top = max(timeline, key=lambda s: s.live_bytes)  # the first sample at the peak
+    phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES}
+    return StepReport(top.live_bytes, top.phase, top.op, timeline, at_start, phase_peaks,
+                      cuda_max)
