@@ -1,0 +1,186 @@
+"""``estimate(graph, policy) -> Estimate``: named components, the timeline and the peak.
+
+The peak is ``Max`` over the timeline's points that cannot be proven dominated by
+another under the symbols' assumptions (every dimension a positive integer, every
+byte price positive): a point is dropped when another point minus it, written as
+a polynomial in ``x - 1`` for each dimension ``x``, has no negative coefficient.
+Formulas are kept canonical with ``expand`` and ``collect`` (never ``simplify``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import sympy as sp
+
+from .dtypes import format_bytes
+from .errors import ConfigError
+from .graph import Graph
+from .policy import Policy
+from .schedule import ROLES, Point, Walk, walk
+from .symbols import DIMENSIONS, L, b, s, symbol
+
+__all__ = ["estimate", "Estimate", "Evaluation", "canonical", "provably_nonneg"]
+
+COMPONENTS = ("params", "grads", "master", "optimizer", "activations")
+
+
+def canonical(expr) -> sp.Expr:
+    """Expanded, then collected on L, b, s (in that order): the form symmem prints."""
+    return sp.collect(sp.expand(expr), [L, b, s])
+
+
+def provably_nonneg(expr) -> bool:
+    """True when ``expr >= 0`` follows from the assumptions (dimensions >= 1, bytes > 0)."""
+    e = sp.expand(expr)
+    if e == 0:
+        return True
+    num, den = sp.fraction(sp.together(e))
+    gens = sorted(num.free_symbols | den.free_symbols, key=str)
+    cn, cd = _shifted_coeffs(num, gens), _shifted_coeffs(den, gens)
+    return cn is not None and cd is not None and all(c >= 0 for c in cn.values()) \
+        and all(c >= 0 for c in cd.values())
+
+
+def _shifted_coeffs(e, gens) -> dict | None:
+    """Coefficients of ``e`` as a polynomial in (x - 1) for each dimension x and in the
+    byte prices; None when ``e`` is not a polynomial. All of them >= 0 proves e >= 0."""
+    shift = {x: x + 1 for x in e.free_symbols if x in DIMENSIONS}
+    e = sp.expand(e.xreplace(shift))
+    if not gens:
+        return {(): e}
+    try:
+        return sp.Poly(e, *gens).as_dict()
+    except sp.PolynomialError:
+        return None
+
+
+def _dominates(cj: dict, ci: dict) -> bool:
+    """Does the polynomial with coefficients cj minus the one with ci have none negative?"""
+    return all(cj.get(m, 0) - c >= 0 for m, c in ci.items()) and \
+        all(c >= 0 for m, c in cj.items() if m not in ci)
+
+
+def _prune(points: list[Point]) -> list[Point]:
+    """Drop points that another point provably dominates (of equal ones, keep the first)."""
+    totals = [sp.expand(p.total) for p in points]
+    gens = sorted(set().union(*(t.free_symbols for t in totals)), key=str)
+    coeffs = [_shifted_coeffs(t, gens) for t in totals]
+    keep = []
+    for i, ci in enumerate(coeffs):
+        if ci is None:
+            keep.append(i)
+            continue
+        dominated = False
+        for j, cj in enumerate(coeffs):
+            if j == i or cj is None or not _dominates(cj, ci):
+                continue
+            if j < i or not _dominates(ci, cj):   # strictly larger, or an earlier equal
+                dominated = True
+                break
+        if not dominated:
+            keep.append(i)
+    return [points[i] for i in keep]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Exact bytes at one configuration: components, the peak, and where it is."""
+    values: dict
+    bytes: dict            # component -> int (params, grads, master, optimizer, activations, peak)
+    peak_point: Point
+    peak_parts: dict       # role -> int at the peak
+
+    @property
+    def peak(self) -> int:
+        return self.bytes["peak"]
+
+    def table(self) -> str:
+        rows = [f"{'component':<24}{'bytes':>20}{'':>14}{'% of peak':>11}"]
+        for role in ROLES:
+            v = self.peak_parts[role]
+            if v:
+                rows.append(f"{'at peak/' + role:<24}{v:>20,}{format_bytes(v):>14}{100 * v / self.peak:>10.1f}%")
+        rows.append(f"{'peak':<24}{self.peak:>20,}{format_bytes(self.peak):>14}{100.0:>10.1f}%")
+        rows.append(f"peak during {self.peak_point.where}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+class Estimate:
+    """The memory of one training step of ``graph`` under ``policy``, as formulas."""
+
+    def __init__(self, graph: Graph, policy: Policy, w: Walk):
+        self.graph, self.policy, self._walk = graph, policy, w
+        comps = dict(w.components)
+        comps["activations"] = w.saved_at_end_of_forward
+        self.components = {k: canonical(v) for k, v in comps.items()}
+        self.points = _prune(w.points)
+        self.bindings = {**{symbol(k) if isinstance(k, str) else k: v for k, v in graph.bindings.items()},
+                         **policy.bindings()}
+
+    @cached_property
+    def peak(self) -> sp.Expr:
+        """The peak live bytes: Max over the non-dominated points, each canonical."""
+        return sp.Max(*(canonical(p.total) for p in self.points))
+
+    @property
+    def timeline(self) -> list[Point]:
+        """Every point of the step, in order (before pruning)."""
+        return list(self._walk.points)
+
+    def formula(self, component: str = "peak") -> sp.Expr:
+        if component == "peak":
+            return self.peak
+        if component not in self.components:
+            raise ConfigError("component", component, f"one of peak, {', '.join(self.components)}")
+        return self.components[component]
+
+    def _subs(self, values: dict) -> dict:
+        subs = dict(self.bindings)
+        for k, v in values.items():
+            sym = symbol(k) if isinstance(k, str) else k
+            if not isinstance(v, (int, sp.Integer, sp.Rational)) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(str(sym), v, "a positive integer")
+            subs[sym] = sp.Integer(v) if isinstance(v, int) else v
+        return subs
+
+    def at(self, **values) -> Evaluation:
+        """Exact integer bytes at ``values`` (e.g. ``b=8, s=1024``), over the model's bindings."""
+        subs = self._subs(values)
+        comps = {k: self._exact(v, subs, k) for k, v in self.components.items()}
+        totals = [sp.expand(p.total).xreplace(subs) for p in self.points]
+        for t, p in zip(totals, self.points):
+            if not t.is_number:
+                missing = sorted(str(x) for x in t.free_symbols)
+                raise ConfigError("values", missing, "a value for every symbol",
+                                  f"Pass them, e.g. .at({missing[0]}=...).")
+        i = max(range(len(totals)), key=lambda j: totals[j])
+        p = self.points[i]
+        comps["peak"] = int(totals[i])
+        parts = {r: int(sp.sympify(e).xreplace(subs)) for r, e in p.parts}
+        return Evaluation(dict(values), comps, p, parts)
+
+    @staticmethod
+    def _exact(expr, subs, name) -> int:
+        v = sp.sympify(expr).xreplace(subs)
+        if not v.is_number:
+            missing = sorted(str(x) for x in v.free_symbols)
+            raise ConfigError("values", missing, f"a value for every symbol of {name}",
+                              f"Pass them, e.g. .at({missing[0]}=...).")
+        return int(v)
+
+    def __repr__(self) -> str:
+        return f"Estimate({self.graph.name}, {self.policy.describe()})\npeak = {self.peak}"
+
+    def _repr_latex_(self) -> str:
+        from .symbols import latex_names
+        return "$" + sp.latex(self.peak, symbol_names=latex_names()) + "$"
+
+
+def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:
+    """Derive the symbolic memory of one training step of ``graph`` under ``policy``."""
+    policy = policy or Policy()
+    return Estimate(graph, policy, walk(graph, policy))

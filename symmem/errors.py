@@ -1,0 +1,41 @@
+"""Errors a user can meet. Each carries fields and says what was wrong, the value
+given, what was expected and how to fix it, so no sympy or networkx traceback
+ever reaches the user."""
+from __future__ import annotations
+
+import difflib
+
+__all__ = ["SymmemError", "ConfigError", "UnknownName", "ShapeError"]
+
+
+class SymmemError(Exception):
+    """Base class of every error symmem raises on purpose."""
+
+
+class ConfigError(SymmemError):
+    """A configuration value is wrong: ``field`` had ``value``, ``expected`` says what fits."""
+
+    def __init__(self, field: str, value, expected: str, fix: str | None = None):
+        self.field, self.value, self.expected, self.fix = field, value, expected, fix
+        msg = f"{field} = {value!r} is not valid: expected {expected}."
+        if fix:
+            msg += f" {fix}"
+        super().__init__(msg)
+
+
+class UnknownName(SymmemError):
+    """A name (model, op, precision, optimizer, symbol, …) that symmem does not know."""
+
+    def __init__(self, kind: str, name, known: tuple[str, ...]):
+        self.kind, self.name, self.known = kind, name, tuple(known)
+        close = difflib.get_close_matches(str(name), self.known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        super().__init__(f"unknown {kind} {name!r}.{hint} Known: {', '.join(self.known)}.")
+
+
+class ShapeError(SymmemError):
+    """Tensor shapes do not fit an operator: ``node`` got ``got`` where ``expected``."""
+
+    def __init__(self, node: str, got, expected: str):
+        self.node, self.got, self.expected = node, got, expected
+        super().__init__(f"shape mismatch at node {node!r}: got {got}, expected {expected}.")

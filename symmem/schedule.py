@@ -1,0 +1,347 @@
+"""The training step as a walk over the graph: forward, backward, optimizer step.
+
+The walk keeps the live storages in a :class:`Live` table (key -> bytes, count,
+role) and records a :class:`Point` at every moment memory can peak: while each
+node runs forward (its output, new saved tensors and scratch allocated, inputs
+not yet freed), while each node runs backward (input and parameter gradients
+allocated, saved tensors not yet released), and while the optimizer updates.
+
+PyTorch eager semantics, in steady state (an iteration after the first, with
+``zero_grad(set_to_none=True)``): parameters and optimizer state exist before
+forward; a forward value is freed after its last use unless autograd saved it;
+a saved tensor is released after the backward of the last node that saved it;
+parameter gradients appear as backward reaches them and live until the next
+``zero_grad``; the optimizer's temporaries exist only during its step.
+
+A :class:`~symmem.graph.Repeat` of ``n`` iterations is walked once. Each
+iteration leaves the same bytes behind (``D`` per iteration forward, ``Δ``
+backward), so the live bytes at a point of iteration ``i`` are affine in ``i``
+and their maximum over ``i`` is at the first or the last iteration: both are
+candidates. This is exact: the unrolled graph gives the same maximum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy as sp
+
+from .graph import Graph, Node, Repeat
+from .policy import Policy
+from .rules import F32, Footprint, TensorInfo, get_rule
+
+__all__ = ["Point", "Walk", "walk", "ROLES"]
+
+#: The roles every live byte belongs to, in display order.
+ROLES = ("params", "master", "optimizer", "grads", "activations", "transient")
+ZERO = sp.Integer(0)
+
+
+@dataclass(frozen=True)
+class Point:
+    """Live memory at one moment of the step: bytes per role, and where it is."""
+    phase: str            # "forward" | "backward" | "optimizer"
+    node: str             # the node running (or the parameter being updated)
+    parts: tuple          # ((role, bytes expr), …) in ROLES order
+    iteration: str = ""   # "first" / "last" for points inside a Repeat
+
+    @property
+    def total(self) -> sp.Expr:
+        return sp.Add(*(e for _, e in self.parts))
+
+    @property
+    def where(self) -> str:
+        it = f" ({self.iteration} iteration)" if self.iteration else ""
+        return f"{self.phase} {self.node}{it}"
+
+
+class Live:
+    """Live storages: key -> [bytes per storage, count, role]."""
+
+    def __init__(self):
+        self.entries: dict[str, list] = {}
+
+    def add(self, key, nbytes, role, count=sp.Integer(1)):
+        if key in self.entries:
+            self.entries[key][1] += count
+        else:
+            self.entries[key] = [sp.sympify(nbytes), sp.sympify(count), role]
+
+    def release(self, key, count=sp.Integer(1)):
+        e = self.entries.get(key)
+        if e is None:
+            return
+        e[1] = sp.expand(e[1] - count)
+        if e[1] == 0:
+            del self.entries[key]
+
+    def drop(self, key):
+        self.entries.pop(key, None)
+
+    def parts(self, extra: dict | None = None) -> tuple:
+        acc = {r: ZERO for r in ROLES}
+        for nbytes, count, role in self.entries.values():
+            acc[role] += nbytes * count
+        for role, e in (extra or {}).items():
+            acc[role] += e
+        return tuple((r, sp.expand(acc[r])) for r in ROLES)
+
+    def total(self) -> sp.Expr:
+        return sp.expand(sum((n * c for n, c, _ in self.entries.values()), ZERO))
+
+
+@dataclass
+class Walk:
+    """Everything the walk derives; :mod:`symmem.engine` turns it into an Estimate."""
+    points: list = field(default_factory=list)
+    saved_at_end_of_forward: sp.Expr = ZERO
+    components: dict = field(default_factory=dict)
+    infos: dict = field(default_factory=dict)
+    footprints: dict = field(default_factory=dict)
+
+
+# ----- preparation: tensor infos, footprints, storages, uses ---------------------------
+class _Prepared:
+    def __init__(self, graph: Graph, policy: Policy):
+        self.ctx = policy.ctx()
+        self.info: dict[str, TensorInfo] = {}
+        self.fp: dict[str, Footprint] = {}
+        self.storage: dict[str, str] = {}     # value -> storage key
+        self.saved_by: dict[str, list] = {}   # storage key -> nodes that save it
+        self.producer: dict[str, Node] = {}
+        self._prepare(graph.items)
+
+    def _prepare(self, items):
+        for item in items:
+            if isinstance(item, Repeat):
+                self._prepare(item.body.items)
+                self.info[item.name] = self.info[item.output]
+                self.storage[item.name] = self.storage[item.output]
+                continue
+            ins = [self.info[i] for i in item.inputs]
+            fp = get_rule(item.op)(item, ins, self.ctx)
+            if item.params and not fp.out.requires_grad:
+                fp = Footprint(TensorInfo(fp.out.shape, fp.out.dtype, fp.out.contiguous, True),
+                               fp.alias, fp.saved, fp.fwd_temp, fp.grads, fp.bwd_temp)
+            self.fp[item.name] = fp
+            self.info[item.name] = fp.out
+            self.producer[item.name] = item
+            self.storage[item.name] = (self.storage[item.inputs[fp.alias]] if fp.alias is not None
+                                       else item.name)
+            for sv in fp.saved:
+                self.saved_by.setdefault(self.saved_key(item, sv), []).append(item.name)
+
+    def saved_key(self, node: Node, sv) -> str:
+        if sv.ref.startswith("in"):
+            return self.storage[node.inputs[int(sv.ref[2:])]]
+        if sv.ref == "out":
+            return self.storage[node.name]
+        if sv.ref.startswith("cast:"):
+            return sv.ref
+        return f"{node.name}:{sv.label}"
+
+
+def _uses(items) -> dict:
+    """value -> index of the last item (in ``items``) that reads it."""
+    last = {}
+    for idx, item in enumerate(items):
+        reads = (item.carried,) + item.externals if isinstance(item, Repeat) else item.inputs
+        for v in reads:
+            last[v] = idx
+    return last
+
+
+# ----- the walk -------------------------------------------------------------------------
+def walk(graph: Graph, policy: Policy) -> Walk:
+    """Walk one steady-state training step of ``graph`` under ``policy``."""
+    prep = _Prepared(graph, policy)
+    w = Walk(infos=prep.info, footprints=prep.fp)
+    live = Live()
+    _model_states(graph, policy, live, w)
+    saved_keys = set(prep.saved_by)
+    outputs = {graph.items[-1].name}
+    _forward(graph.items, prep, live, w, saved_keys, outputs, keep=set())
+    w.saved_at_end_of_forward = sp.expand(sum(
+        (n * c for n, c, r in live.entries.values() if r == "activations"), ZERO))
+    grads: dict[str, str] = {}
+    loss = graph.items[-1].name
+    live.add(f"g:{loss}", prep.info[loss].nbytes, "transient")
+    grads[loss] = f"g:{loss}"
+    seen_params: set[str] = set()
+    _backward(graph.items, prep, live, w, grads, seen_params, policy)
+    _optimizer(graph, policy, live, w)
+    return w
+
+
+def _model_states(graph, policy, live: Live, w: Walk):
+    from .symbols import B_g, B_m, B_o, B_w
+    params = graph.params()
+    N = sp.expand(sum((p.numel * m for p, m in params), ZERO))
+    tensors = sp.expand(sum((m for _, m in params), ZERO))
+    opt, prec = policy.opt, policy.prec
+    w.components = {"params": N * B_w, "grads": N * B_g,
+                    "master": N * B_m if prec.master else ZERO,
+                    "optimizer": opt.states * N * B_o + (4 * tensors if policy.step_on_device else 0)}
+    for p, m in params:
+        live.add(f"param:{p.name}", p.numel * B_w, "params", m)
+        if prec.master:
+            live.add(f"master:{p.name}", p.numel * B_m, "master", m)
+        if opt.states:
+            live.add(f"state:{p.name}", opt.states * p.numel * B_o, "optimizer", m)
+        if policy.step_on_device:
+            live.add(f"step:{p.name}", 4, "optimizer", m)
+
+
+def _forward(items, prep: _Prepared, live: Live, w: Walk, saved_keys, outputs, keep, label=""):
+    last = _uses(items)
+    holders: dict[str, int] = {}
+    for v, st in prep.storage.items():
+        if v in last:
+            holders[st] = max(holders.get(st, -1), last[v])
+
+    def maybe_free(value, idx):
+        st = prep.storage[value]
+        if st in saved_keys or value in outputs or st in keep:
+            return
+        if holders.get(st, -1) <= idx:
+            live.drop(st)
+
+    for idx, item in enumerate(items):
+        if isinstance(item, Repeat):
+            _forward_repeat(item, prep, live, w, saved_keys, outputs,
+                            keep | {prep.storage[v] for v, i in last.items() if i > idx})
+            for v in (item.carried,) + item.externals:
+                if last.get(v) == idx:
+                    maybe_free(v, idx)
+            continue
+        fp = prep.fp[item.name]
+        act = "activations" if prep.storage[item.name] in saved_keys else "transient"
+        if fp.alias is None:
+            live.add(item.name, fp.out.nbytes, act)
+        for sv in fp.saved:
+            key = prep.saved_key(item, sv)
+            if sv.ref == "new" or (sv.ref.startswith("cast:") and key not in live.entries):
+                live.add(key, sv.nbytes, "activations")
+        w.points.append(Point("forward", item.name, live.parts({"transient": fp.fwd_temp}), label))
+        for v in set(item.inputs):
+            if last.get(v) == idx:
+                maybe_free(v, idx)
+        if item.name not in last:
+            maybe_free(item.name, idx)
+
+
+def _forward_repeat(rep: Repeat, prep, live: Live, w: Walk, saved_keys, outputs, keep):
+    n = rep.count
+    before = set(live.entries)
+    start = live.parts()
+    first = len(w.points)
+    carried_st = prep.storage[rep.carried]
+    _forward(rep.body.items, prep, live, w, saved_keys, outputs,
+             keep | {prep.storage[e] for e in rep.externals}, label="first")
+    _add_last_iteration(w, first, start, live.parts(), n)
+    out_st = prep.storage[rep.output]
+    for key in set(live.entries) - before:
+        if key != out_st or carried_st in live.entries:
+            live.entries[key][1] = live.entries[key][1] * n
+
+
+def _add_last_iteration(w: Walk, first: int, start: tuple, end: tuple, n, labels=("first", "last")):
+    """Points of the first iteration are at hand; those of the last add (n-1) x the
+    bytes one iteration leaves behind, role by role."""
+    delta = {r: sp.expand(e - s) for (r, e), (_, s) in zip(end, start)}
+    body = w.points[first:]
+    del w.points[first:]
+    for p in body:
+        w.points.append(p)
+        last = tuple((r, sp.expand(e + (n - 1) * delta[r])) for r, e in p.parts)
+        w.points.append(Point(p.phase, p.node, last, labels[1]))
+
+
+def _backward(items, prep: _Prepared, live: Live, w: Walk, grads: dict, seen: set, policy,
+              label="", remap=None):
+    from .symbols import B_g
+    remap = remap or {}
+    refs: dict[str, int] = {}
+    for key in grads.values():
+        refs[key] = refs.get(key, 0) + 1
+
+    def hand(value, key):
+        grads[value] = key
+        refs[key] = refs.get(key, 0) + 1
+
+    for item in reversed(items):
+        if isinstance(item, Repeat):
+            _backward_repeat(item, prep, live, w, grads, seen, policy)
+            continue
+        g = grads.get(item.name)
+        if g is None:
+            continue                      # no gradient reaches this value
+        fp = prep.fp[item.name]
+        temp = fp.bwd_temp
+        for v, mode in zip(item.inputs, fp.grads):
+            if mode is None or not prep.info[v].requires_grad:
+                continue
+            nbytes = prep.info[v].nbytes
+            if v in grads:                # a second consumer: accumulated into the first
+                temp += nbytes if mode == "new" else 0
+            elif mode == "pass":
+                hand(v, g)
+            else:                         # "new", or "slice" arriving first
+                live.add(f"g:{v}", nbytes, "transient")
+                hand(v, f"g:{v}")
+        for p in item.params:
+            if p.name in seen:            # a tied weight: its second gradient is added in
+                temp += p.numel * B_g
+            else:
+                seen.add(p.name)
+                live.add(f"grad:{p.name}", p.numel * B_g, "grads")
+        w.points.append(Point("backward", item.name, live.parts({"transient": temp}), label))
+        refs[g] -= 1                      # the output's gradient has been used
+        del grads[item.name]
+        if refs[g] == 0:
+            live.drop(g)
+        for sv in fp.saved:               # autograd releases saved tensors after the node runs
+            key = prep.saved_key(item, sv)
+            if prep.saved_by[key][0] == item.name:
+                live.release(remap.get(key, key))
+
+
+def _backward_repeat(rep: Repeat, prep: _Prepared, live: Live, w: Walk, grads, seen, policy):
+    n = rep.count
+    grads[rep.output] = grads.pop(rep.name)
+    carried_st, out_st = prep.storage[rep.carried], prep.storage[rep.output]
+    body_keys = set()
+    for node in rep.body.items:
+        if isinstance(node, Node):
+            body_keys.add(node.name)
+            body_keys.update(prep.saved_key(node, sv) for sv in prep.fp[node.name].saved
+                             if sv.ref == "new" or sv.ref.startswith("cast:"))
+    body_params = {p for p in rep.body._params}
+    start = live.parts()
+    first = len(w.points)
+    _backward(rep.body.items, prep, live, w, grads, seen, policy, label="last",
+              remap={carried_st: out_st})
+    _add_last_iteration(w, first, start, live.parts(), n, labels=("last", "first"))
+    for key in body_keys:
+        live.drop(key)
+    if carried_st in prep.saved_by and prep.saved_by[carried_st][0] in body_keys:
+        live.drop(carried_st)
+    for name in body_params:
+        if f"grad:{name}" in live.entries:
+            live.entries[f"grad:{name}"][1] *= n
+
+
+def _optimizer(graph: Graph, policy: Policy, live: Live, w: Walk):
+    from .symbols import B_o
+    opt, impl = policy.opt, policy.impl
+    if impl == "for-loop" and opt.largest_temps:
+        sizes = {}
+        for p, _ in graph.params():
+            sizes.setdefault(sp.expand(p.numel), p.name)
+        for numel, name in sizes.items():
+            temp = opt.largest_temps * numel * B_o
+            w.points.append(Point("optimizer", name, live.parts({"transient": temp})))
+    elif impl == "foreach" and opt.all_temps:
+        temp = opt.all_temps * graph.param_count() * B_o
+        w.points.append(Point("optimizer", "all parameters", live.parts({"transient": temp})))
+    else:
+        w.points.append(Point("optimizer", "all parameters", live.parts()))

@@ -1,0 +1,79 @@
+"""The symbol table: every symbol symmem's formulas use, declared once.
+
+``sympy.Symbol('b')`` and ``sympy.Symbol('b', positive=True)`` are different
+symbols, and mixing them silently breaks formulas. Everything in symmem takes its
+symbols from here.
+
+Dimensions are positive integers. Bytes per element of a role (weights,
+gradients, master weights, optimizer states, activations) are positive
+rationals (int4 is 1/2 byte): a precision policy binds them to numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .errors import UnknownName
+
+__all__ = [
+    "SymbolInfo", "TABLE", "symbol", "latex_names",
+    "b", "s", "h", "a", "L", "V", "f", "k", "s_max",
+    "B_w", "B_g", "B_m", "B_o", "B_a",
+    "DIMENSIONS", "BYTE_SYMBOLS",
+]
+
+
+@dataclass(frozen=True)
+class SymbolInfo:
+    symbol: sp.Symbol
+    latex: str
+    meaning: str
+
+
+def _dim(name: str, latex: str, meaning: str) -> SymbolInfo:
+    return SymbolInfo(sp.Symbol(name, positive=True, integer=True), latex, meaning)
+
+
+def _bytes(name: str, latex: str, meaning: str) -> SymbolInfo:
+    return SymbolInfo(sp.Symbol(name, positive=True, rational=True), latex, meaning)
+
+
+_INFOS = [
+    _dim("b", "b", "micro-batch size (sequences per step on one device)"),
+    _dim("s", "s", "sequence length (tokens per sequence)"),
+    _dim("h", "h", "hidden size"),
+    _dim("a", "a", "attention heads"),
+    _dim("L", "L", "transformer layers"),
+    _dim("V", "V", "vocabulary size"),
+    _dim("f", "f", "feed-forward (MLP) width"),
+    _dim("k", "k", "key/value heads"),
+    _dim("s_max", r"s_{\max}", "maximum positions (rows of the position embedding)"),
+    _bytes("B_w", r"B_{w}", "bytes per weight element"),
+    _bytes("B_g", r"B_{g}", "bytes per gradient element"),
+    _bytes("B_m", r"B_{m}", "bytes per master-weight element"),
+    _bytes("B_o", r"B_{o}", "bytes per optimizer-state element"),
+    _bytes("B_a", r"B_{a}", "bytes per activation element in the compute dtype"),
+]
+
+#: name -> SymbolInfo, in a fixed, documented order.
+TABLE: dict[str, SymbolInfo] = {i.symbol.name: i for i in _INFOS}
+
+b, s, h, a, L, V, f, k, s_max = (TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "s_max"))
+B_w, B_g, B_m, B_o, B_a = (TABLE[n].symbol for n in ("B_w", "B_g", "B_m", "B_o", "B_a"))
+
+DIMENSIONS = (b, s, h, a, L, V, f, k, s_max)
+BYTE_SYMBOLS = (B_w, B_g, B_m, B_o, B_a)
+
+
+def symbol(name: str) -> sp.Symbol:
+    """The symbol called ``name``; a clear error for a name symmem does not know."""
+    try:
+        return TABLE[name].symbol
+    except KeyError:
+        raise UnknownName("symbol", name, tuple(TABLE)) from None
+
+
+def latex_names() -> dict[sp.Symbol, str]:
+    """Symbol -> LaTeX name, for sympy's ``latex(..., symbol_names=...)``."""
+    return {i.symbol: i.latex for i in _INFOS}
