@@ -85,6 +85,7 @@ class Graph:
     items: list = field(default_factory=list)
     parent: "Graph | None" = None
     externals: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
     _shapes: dict = field(default_factory=dict)
     _params: dict = field(default_factory=dict)
 
@@ -122,6 +123,13 @@ class Graph:
         self.items.append(node)
         self._shapes[name] = shape
         return name
+
+    def output(self, value: str) -> str:
+        """Mark ``value`` as returned by the forward pass (e.g. the logits in a model's
+        output object): it stays alive until forward ends. The last node is the loss."""
+        self.shape(value)
+        self.outputs = self.outputs + (value,)
+        return value
 
     def repeat(self, count, body: Callable[["Graph", str], str], x: str, name: str = "layers") -> str:
         """Apply ``body(graph, x) -> y`` ``count`` times (``count`` may be a symbol).

@@ -278,7 +278,7 @@ def gelu_new_rule(node, ins, ctx):
         saved.append(Saved("scalars", "new", sp.Integer(3), F64))
     out = TensorInfo(x.shape, _promote(x.dtype, t), True, x.requires_grad)
     return Footprint(out, saved=tuple(saved), fwd_temp=2 * x.numel * t.nbytes,
-                     grads=_grads(ins), bwd_temp=2 * x.numel * t.nbytes)
+                     grads=_grads(ins), bwd_temp=x.numel * t.nbytes)
 
 
 @rule("relu")

@@ -158,12 +158,15 @@ def walk(graph: Graph, policy: Policy) -> Walk:
     live = Live()
     _model_states(graph, policy, live, w)
     saved_keys = set(prep.saved_by)
-    outputs = {graph.items[-1].name}
+    loss = graph.items[-1].name
+    outputs = {loss, *graph.outputs}
     _forward(graph.items, prep, live, w, saved_keys, outputs, keep=set())
+    for v in graph.outputs:           # the training loop keeps only the loss
+        if prep.storage[v] not in saved_keys:
+            live.drop(prep.storage[v])
     w.saved_at_end_of_forward = sp.expand(sum(
         (n * c for n, c, r in live.entries.values() if r == "activations"), ZERO))
     grads: dict[str, str] = {}
-    loss = graph.items[-1].name
     live.add(f"g:{loss}", prep.info[loss].nbytes, "transient")
     grads[loss] = f"g:{loss}"
     seen_params: set[str] = set()

@@ -116,7 +116,7 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
     x = g.add("layer_norm", x, params=(g.param("ln_f.weight", (h,)), g.param("ln_f.bias", (h,))),
               name="ln_f")
     head = wte if cfg.tie_word_embeddings else g.param("lm_head.weight", (V, h))
-    logits = g.add("linear", x, params=(head,), name="lm_head")
+    logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
     logits = g.add("to_float32", logits, name="logits_float")
     logp = g.add("log_softmax", logits, name="log_softmax")
     g.add("nll_loss", logp, ids, name="loss")
