@@ -99,9 +99,10 @@ class Graph:
         self._params[name] = p
         return p
 
-    def input(self, name: str, shape, dtype: str = "int64") -> str:
-        """A tensor given to the model (token ids, labels)."""
-        return self.add("input", name=name, shape=tuple(shape), dtype=dtype)
+    def input(self, name: str, shape, dtype: str = "int64", requires_grad: bool = False) -> str:
+        """A tensor given to the model (token ids, labels; or a float tensor in tests)."""
+        return self.add("input", name=name, shape=tuple(sp.sympify(d) for d in shape), dtype=dtype,
+                        requires_grad=requires_grad)
 
     def add(self, op: str, *inputs: str, params=(), name: str | None = None, **attrs) -> str:
         """Add ``op`` applied to ``inputs``; returns the name of the value it defines."""

@@ -153,11 +153,12 @@ def _needs_grad(ins, node: Node) -> bool:
 # ----- inputs and views --------------------------------------------------------------
 @rule("input")
 def input_rule(node, ins, ctx):
-    """A tensor handed to the model (token ids, labels): no gradient."""
+    """A tensor handed to the model (token ids, labels; no gradient by default)."""
     from .dtypes import dtype_bytes
     name = node.attr("dtype", "int64")
-    dt = I64 if name == "int64" else DType(name, dtype_bytes(name), 3)
-    return Footprint(TensorInfo(node.attr("shape"), dt, requires_grad=False))
+    known = {"int64": I64, "float32": F32, "bool": BOOL, "float64": F64}
+    dt = known.get(name) or DType(name, dtype_bytes(name), 2)
+    return Footprint(TensorInfo(node.attr("shape"), dt, requires_grad=bool(node.attr("requires_grad"))))
 
 
 @rule("carry")
