@@ -9,6 +9,8 @@ Formulas are kept canonical with ``expand`` and ``collect`` (never ``simplify``)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
+from math import comb
 from functools import cached_property
 
 import sympy as sp
@@ -45,14 +47,25 @@ def provably_nonneg(expr) -> bool:
 def _shifted_coeffs(e, gens) -> dict | None:
     """Coefficients of ``e`` as a polynomial in (x - 1) for each dimension x and in the
     byte prices; None when ``e`` is not a polynomial. All of them >= 0 proves e >= 0."""
-    shift = {x: x + 1 for x in e.free_symbols if x in DIMENSIONS}
-    e = sp.expand(e.xreplace(shift))
     if not gens:
-        return {(): e}
+        return {(): Fraction(int(e.p), int(e.q))} if e.is_Rational else None
     try:
-        return sp.Poly(e, *gens).as_dict()
+        coeffs = sp.Poly(e, *gens).as_dict()
     except sp.PolynomialError:
         return None
+    if not all(c.is_Rational for c in coeffs.values()):
+        return None
+    shifted = [i for i, g in enumerate(gens) if g in DIMENSIONS]
+    out: dict = {}
+    for mono, c in coeffs.items():
+        # x^e = ((x - 1) + 1)^e = sum_j C(e, j) (x - 1)^j, for each dimension x
+        terms = [(mono, Fraction(int(c.p), int(c.q)))]
+        for i in shifted:
+            terms = [(m[:i] + (j,) + m[i + 1:], v * comb(m[i], j))
+                     for m, v in terms for j in range(m[i] + 1)]
+        for m, v in terms:
+            out[m] = out.get(m, 0) + v
+    return out
 
 
 def _dominates(cj: dict, ci: dict) -> bool:
@@ -124,7 +137,7 @@ class Estimate:
     @cached_property
     def peak(self) -> sp.Expr:
         """The peak live bytes: Max over the non-dominated points, each canonical."""
-        return sp.Max(*(canonical(p.total) for p in self.points))
+        return sp.Max(*(canonical(p.total) for p in self.points), evaluate=False)
 
     @property
     def timeline(self) -> list[Point]:

@@ -211,6 +211,7 @@ class Graph:
                 prev = ren[item.output]
             g.items.append(Node(item.name, "carry", (prev,), shape=item.shape))
             g._shapes[item.name] = item.shape
+        g.outputs = self.outputs
         return g
 
     def to_networkx(self) -> nx.DiGraph:

@@ -1,0 +1,282 @@
+"""The ``symmem`` command line.
+
+    symmem estimate --model gpt2 --batch 8 --seq 1024 --precision bf16-mixed --optimizer adamw
+    symmem estimate --config path/to/config.json --batch 8 --seq 1024 --format json
+    symmem models
+
+``main(argv)`` returns the exit status: 0 ok, 1 when symmem rejected an input (an
+unknown name, a bad config.json: the message says what and how to fix it), 2 for
+bad usage (argparse's own errors, such as a missing option or ``--batch 0``).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import textwrap
+
+import sympy as sp
+
+from . import __version__, models
+from .dtypes import format_bytes
+from .engine import canonical, estimate
+from .errors import ConfigError, SymmemError
+from .policy import DEVICES, IMPLEMENTATIONS, OPTIMIZERS, PRECISIONS, Policy
+from .schedule import ROLES
+from .symbols import B_w, latex_names, s_max
+
+__all__ = ["main", "build_parser"]
+
+FORMATS = ("table", "json", "latex")
+COMPONENTS = ("params", "grads", "master", "optimizer", "activations")
+WIDTH = 88
+
+EPILOG = """\
+examples:
+  symmem estimate --model gpt2 --batch 8 --seq 1024 --precision bf16-mixed --optimizer adamw
+  symmem estimate --config examples/gpt2-medium/config.json --batch 4 --seq 1024 \\
+      --precision fp32 --optimizer sgd --format json
+  symmem estimate --model gpt2-xl --batch 1 --seq 1024 --format latex > peak.tex
+  symmem models
+
+exit status:
+  0  success
+  1  symmem rejected an input (unknown model, precision or optimizer name, a
+     config.json that is missing, not valid JSON or not a valid model, a --seq
+     longer than the model's positions); the message says what and how to fix it
+  2  bad usage (a missing or malformed option, e.g. --batch 0 or --batch abc)
+"""
+
+
+# --------------------------------------------------------------------------- parser
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer (a whole number >= 1, e.g. 8), got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer (a whole number >= 1, e.g. 8), got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="symmem",
+        description="The GPU memory of a training step as closed-form formulas.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    est = sub.add_parser(
+        "estimate", help="memory of one training step: components, peak and its formula",
+        description="Derive the memory of one training step (forward, backward, optimizer "
+                    "step) as formulas and evaluate them at --batch and --seq.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = est.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="NAME", help=f"a preset: {', '.join(models.PRESETS)}")
+    src.add_argument("--config", metavar="PATH",
+                     help="a local Hugging Face config.json, or the folder holding one "
+                          "(nothing is downloaded)")
+    est.add_argument("--batch", type=positive_int, required=True, metavar="B",
+                     help="micro-batch size b (sequences per step on one device)")
+    est.add_argument("--seq", type=positive_int, required=True, metavar="S",
+                     help="sequence length s (tokens per sequence)")
+    # Names are checked by Policy (exit 1, with a "did you mean" hint), not by argparse choices.
+    est.add_argument("--precision", default="fp32",
+                     help=f"{' | '.join(PRECISIONS)} (default: %(default)s)")
+    est.add_argument("--optimizer", default="adamw",
+                     help=f"{' | '.join(OPTIMIZERS)} (default: %(default)s)")
+    est.add_argument("--device", default="cuda", help=f"{' | '.join(DEVICES)} (default: %(default)s)")
+    est.add_argument("--implementation", default="auto",
+                     help=f"optimizer implementation: {' | '.join(IMPLEMENTATIONS)} (default: "
+                          "%(default)s = PyTorch's default: foreach on cuda, for-loop on cpu)")
+    est.add_argument("--format", default="table", choices=FORMATS,
+                     help="table (for people), json (for scripts), latex (default: %(default)s)")
+    est.set_defaults(func=cmd_estimate)
+
+    lst = sub.add_parser("models", help="list the preset models",
+                         description="List the preset models --model accepts.")
+    lst.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse exits 2 itself on bad usage)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SymmemError as e:
+        print(f"symmem: error: {e}", file=sys.stderr)
+        return 1
+
+
+# --------------------------------------------------------------------------- estimate
+
+@functools.lru_cache(maxsize=8)
+def _preset_estimate(name: str, policy: Policy):
+    """Derivations of presets are reused when ``main`` runs several times in one process."""
+    return estimate(models.preset(name), policy)
+
+
+def _load(args, policy: Policy):
+    if args.model is not None:
+        return _preset_estimate(args.model, policy)
+    try:
+        graph = models.from_hf_config(args.config)
+    except (OSError, UnicodeDecodeError) as e:      # unreadable file: say so, no traceback
+        raise ConfigError("config", args.config, "a readable UTF-8 config.json", str(e)) from None
+    return estimate(graph, policy)
+
+
+def peak_formula(est) -> sp.Expr:
+    """``Max`` over the estimate's candidate points, as :attr:`Estimate.peak` defines it.
+
+    Built unevaluated: ``Estimate.peak`` lets sympy evaluate the ``Max``, which compares
+    the candidates pairwise under the symbols' assumptions and takes 3-8 s, though the
+    engine has already dropped every candidate it can prove dominated."""
+    return sp.Max(*(canonical(p.total) for p in est.points), evaluate=False)
+
+
+def _number(v):
+    v = sp.sympify(v)
+    return int(v) if v.is_Integer else str(v)
+
+
+def _report(args, policy: Policy) -> dict:
+    """Everything the three formats print, computed once."""
+    est = _load(args, policy)
+    bindings = est.bindings
+    if s_max in bindings and args.seq > bindings[s_max]:
+        raise ConfigError("--seq", args.seq,
+                          f"at most the model's n_positions ({bindings[s_max]})",
+                          "GPT-2 has one position embedding per position: use a shorter --seq "
+                          "or a config with a larger n_positions.")
+    ev = est.at(b=args.batch, s=args.seq)
+    point = ev.peak_point
+    peak = peak_formula(est)
+    return {
+        "est": est, "ev": ev, "peak": peak,
+        "active": canonical(point.total),
+        "json": {
+            "symmem_version": __version__,
+            "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
+                       "seq": args.seq, "precision": policy.precision,
+                       "optimizer": policy.optimizer, "device": policy.device,
+                       "implementation": policy.implementation,
+                       "implementation_resolved": policy.impl},
+            "bindings": {str(k): _number(v) for k, v in bindings.items()},
+            "parameters": int(est.components["params"].xreplace({**bindings, B_w: 1})),
+            "bytes": {k: ev.bytes[k] for k in (*COMPONENTS, "peak")},
+            "peak_phase": point.phase,
+            "peak_node": point.node,
+            "peak_iteration": point.iteration or None,
+            "peak_where": point.where,
+            "peak_breakdown": dict(ev.peak_parts),
+            "components": {k: str(v) for k, v in est.components.items()},
+            "formula": {
+                "peak": str(peak),
+                "latex": sp.latex(peak, symbol_names=latex_names()),
+                "peak_candidates": len(peak.args),
+                "peak_at_inputs": str(canonical(point.total)),
+            },
+        },
+    }
+
+
+def cmd_estimate(args) -> int:
+    policy = Policy(precision=args.precision, optimizer=args.optimizer, device=args.device,
+                    implementation=args.implementation)
+    r = _report(args, policy)
+    if args.format == "json":
+        print(json.dumps(r["json"], indent=2))
+    elif args.format == "latex":
+        print(render_latex(args, policy, r))
+    else:
+        print(render_table(args, policy, r))
+    return 0
+
+
+def _wrap(text: str, indent: str = "  ") -> str:
+    return textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False)
+
+
+def render_table(args, policy: Policy, r: dict) -> str:
+    est, ev, j = r["est"], r["ev"], r["json"]
+    source = f"config {args.config}" if args.config else "preset"
+    dims = ", ".join(f"{k} = {v:,}" if isinstance(v, int) else f"{k} = {v}"
+                     for k, v in j["bindings"].items() if not k.startswith("B_"))
+    out = [f"symmem estimate: {est.graph.name} ({source}), {j['parameters']:,} parameters",
+           textwrap.fill(f"policy: {policy.describe()}", WIDTH, subsequent_indent="  "),
+           f"inputs: batch b = {args.batch:,}, seq s = {args.seq:,}; model {dims}",
+           ""]
+    w = 34
+    out.append(f"{'component':<{w}}{'bytes':>18}{'size':>14}")
+    for k in COMPONENTS:
+        v = ev.bytes[k]
+        if k == "master" and not v:
+            continue
+        label = "activations (saved for backward)" if k == "activations" else k
+        out.append(f"{label:<{w}}{v:>18,}{format_bytes(v):>14}")
+    out += ["", f"at the peak: {ev.peak_point.where}",
+            f"{'role':<{w}}{'bytes':>18}{'size':>14}{'% of total':>12}"]
+    for role in ROLES:
+        v = ev.peak_parts[role]
+        if role == "master" and not v and not ev.bytes["master"]:
+            continue
+        out.append(f"{role:<{w}}{v:>18,}{format_bytes(v):>14}{100 * v / ev.peak:>11.1f}%")
+    out.append(f"{'peak':<{w}}{ev.peak:>18,}{format_bytes(ev.peak):>14}{100.0:>11.1f}%")
+    bound = canonical(r["active"].xreplace(est.bindings))
+    n = len(r["peak"].args)
+    out += ["", f"peak formula (the largest at these inputs of the {n} candidates whose max is the peak):",
+            _wrap(str(r["active"])),
+            f"with this model's numbers and the policy's bytes per element:",
+            _wrap(f"{bound}"),
+            f"(all {n} candidates: --format json or --format latex)"]
+    return "\n".join(out)
+
+
+def render_latex(args, policy: Policy, r: dict) -> str:
+    est, ev, names = r["est"], r["ev"], latex_names()
+    bind = ", ".join(f"{k} = {v}" for k, v in r["json"]["bindings"].items())
+
+    def tex(e):
+        return sp.latex(e, symbol_names=names)
+
+    out = [f"% symmem estimate: {est.graph.name}; b = {args.batch}, s = {args.seq}",
+           *textwrap.wrap(f"policy: {policy.describe()}", WIDTH, initial_indent="% ",
+                          subsequent_indent="%   "),
+           f"% bindings: {bind}",
+           f"% peak = {ev.peak:,} bytes ({format_bytes(ev.peak)}) during {ev.peak_point.where}",
+           r"\begin{aligned}"]
+    rows = [(k, v) for k, v in est.components.items() if not (k == "master" and v == 0)]
+    for i, (k, v) in enumerate(rows):
+        end = r" \\" if i < len(rows) - 1 else ""
+        out.append(rf"\mathrm{{{k}}} &= {tex(v)}{end}  % {ev.bytes[k]:,} bytes")
+    out += [r"\end{aligned}", "",
+            f"% the peak: the max over {len(est.points)} candidate points of the step",
+            r"\begin{aligned}"]
+    for i, p in enumerate(est.points):
+        head = r"\mathrm{peak} = \max\bigl(\, " if i == 0 else ""
+        end = r" \,\bigr)" if i == len(est.points) - 1 else r", \\"
+        out.append(rf"{head}& {tex(canonical(p.total))}{end}  % {p.where}")
+    out.append(r"\end{aligned}")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- models
+
+def cmd_models(args) -> int:
+    print(f"{'name':<14}{'n_embd':>8}{'n_layer':>9}{'n_head':>8}{'n_positions':>13}{'vocab_size':>12}")
+    for name, c in models.PRESETS.items():
+        print(f"{name:<14}{c.n_embd:>8}{c.n_layer:>9}{c.n_head:>8}{c.n_positions:>13}{c.vocab_size:>12}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
