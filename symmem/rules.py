@@ -352,7 +352,9 @@ def nll_loss_rule(node, ins, ctx):
     """``F.nll_loss(logp.view(-1, V), labels)``, mean over tokens, with Hugging Face's
     label shift (``pad`` then ``[..., 1:]``: a new int64 copy of the labels, saved as the
     target). NllLossBackward saves logp, the target and a 0-dim float32 total weight.
-    Backward allocates a zero gradient of logp's size and scatters into it."""
+    Backward allocates a zero gradient of logp's size and scatters into it.
+    (With b = 1 the shifted slice is already contiguous, so the saved target is a view of
+    the padded labels: s + 1 elements, 8 bytes more than counted here.)"""
     logp, labels = ins
     rows = labels.numel
     saved = (Saved("log-probabilities", "in0"), Saved("shifted labels", "new", rows, I64),
