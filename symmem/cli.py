@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     est = sub.add_parser(
         "estimate", help="memory of one training step: components, peak and its formula",
-        description="Derive the memory of one training step (forward, backward, optimizer "
-                    "step) as formulas and evaluate them at --batch and --seq.",
+        description="Derive the memory of one training step (forward, backward, optimizer\n"
+                    "step) as formulas, and evaluate them at --batch and --seq.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = est.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="NAME", help=f"a preset: {', '.join(models.PRESETS)}")
@@ -87,12 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--seq", type=positive_int, required=True, metavar="S",
                      help="sequence length s (tokens per sequence)")
     # Names are checked by Policy (exit 1, with a "did you mean" hint), not by argparse choices.
-    est.add_argument("--precision", default="fp32",
+    est.add_argument("--precision", metavar="NAME", default="fp32",
                      help=f"{' | '.join(PRECISIONS)} (default: %(default)s)")
-    est.add_argument("--optimizer", default="adamw",
+    est.add_argument("--optimizer", metavar="NAME", default="adamw",
                      help=f"{' | '.join(OPTIMIZERS)} (default: %(default)s)")
-    est.add_argument("--device", default="cuda", help=f"{' | '.join(DEVICES)} (default: %(default)s)")
-    est.add_argument("--implementation", default="auto",
+    est.add_argument("--device", metavar="NAME", default="cuda", help=f"{' | '.join(DEVICES)} (default: %(default)s)")
+    est.add_argument("--implementation", metavar="NAME", default="auto",
                      help=f"optimizer implementation: {' | '.join(IMPLEMENTATIONS)} (default: "
                           "%(default)s = PyTorch's default: foreach on cuda, for-loop on cpu)")
     est.add_argument("--format", default="table", choices=FORMATS,
@@ -124,13 +124,20 @@ def _preset_estimate(name: str, policy: Policy):
 
 
 def _load(args, policy: Policy):
+    """The estimate of the model ``args`` names, once the model has accepted ``--seq``."""
     if args.model is not None:
-        return _preset_estimate(args.model, policy)
-    try:
-        graph = models.from_hf_config(args.config)
-    except (OSError, UnicodeDecodeError) as e:      # unreadable file: say so, no traceback
-        raise ConfigError("config", args.config, "a readable UTF-8 config.json", str(e)) from None
-    return estimate(graph, policy)
+        graph = models.preset(args.model)
+    else:
+        try:
+            graph = models.from_hf_config(args.config)
+        except (OSError, UnicodeDecodeError) as e:      # unreadable file: say so, no traceback
+            raise ConfigError("config", args.config, "a readable UTF-8 config.json", str(e)) from None
+    n_positions = graph.bindings.get(s_max, graph.bindings.get("s_max"))
+    if n_positions is not None and args.seq > n_positions:
+        raise ConfigError("--seq", args.seq, f"at most the model's n_positions ({n_positions})",
+                          f"{graph.name} has one position embedding per position: use a shorter "
+                          "--seq or a config with a larger n_positions.")
+    return _preset_estimate(args.model, policy) if args.model is not None else estimate(graph, policy)
 
 
 def peak_formula(est) -> sp.Expr:
@@ -151,11 +158,6 @@ def _report(args, policy: Policy) -> dict:
     """Everything the three formats print, computed once."""
     est = _load(args, policy)
     bindings = est.bindings
-    if s_max in bindings and args.seq > bindings[s_max]:
-        raise ConfigError("--seq", args.seq,
-                          f"at most the model's n_positions ({bindings[s_max]})",
-                          "GPT-2 has one position embedding per position: use a shorter --seq "
-                          "or a config with a larger n_positions.")
     ev = est.at(b=args.batch, s=args.seq)
     point = ev.peak_point
     peak = peak_formula(est)

@@ -57,6 +57,12 @@ PRECISIONS: dict[str, Precision] = {
     "fp16-mixed": Precision("fp16-mixed", _4, _4, sp.Integer(0), _2, True,
                             "torch.autocast(dtype=torch.float16) with a GradScaler: as bf16-mixed, in "
                             "float16 (the scaler's few scalars are not counted)"),
+    "bf16-master": Precision("bf16-master", _2, _2, _4, _2, False,
+                             "bfloat16 weights, gradients and activations, with a float32 master "
+                             "copy and float32 optimizer states (Megatron-LM, DeepSpeed, Apex O2); the "
+                             "step casts the gradients to float32 (one float32 copy of all of them)"),
+    "fp16-master": Precision("fp16-master", _2, _2, _4, _2, False,
+                             "as bf16-master, in float16 (the loss scaler's scalars are not counted)"),
 }
 
 

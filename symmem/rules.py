@@ -312,19 +312,22 @@ def to_float32_rule(node, ins, ctx):
 @rule("layer_norm")
 def layer_norm_rule(node, ins, ctx):
     """``F.layer_norm(x, (h,), w, b)``: NativeLayerNormBackward saves the input, the
-    weight and bias (parameters) and the per-row mean and rstd, float32 (the
-    accumulation type) whatever x's dtype: 2 * (numel/h) * 4 bytes.
+    weight and bias (parameters) and the per-row mean and rstd: numel/h each. On CUDA
+    they are float32 (the accumulation type) whatever x's dtype; the CPU kernel returns
+    them in x's dtype (2 bytes each for a bfloat16 x, measured).
     Autocast runs layer_norm in float32 (input cast up if needed, output float32)."""
     x = ins[0]
     rows = x.numel / x.shape[-1]
     saved = []
     if ctx.autocast and x.dtype != F32:
         saved.append(Saved("layer-norm input (float32 copy)", "new", x.numel, F32))
-        out_dt = F32
+        x_dt = out_dt = F32
     else:
         saved.append(Saved("layer-norm input", "in0"))
+        x_dt = x.dtype
         out_dt = F32 if ctx.autocast else x.dtype
-    saved += [Saved("layer-norm mean", "new", rows, F32), Saved("layer-norm rstd", "new", rows, F32)]
+    stats = F32 if ctx.device == "cuda" else x_dt
+    saved += [Saved("layer-norm mean", "new", rows, stats), Saved("layer-norm rstd", "new", rows, stats)]
     return Footprint(TensorInfo(x.shape, out_dt), saved=tuple(saved), grads=_grads(ins))
 
 

@@ -334,8 +334,13 @@ def _backward_repeat(rep: Repeat, prep: _Prepared, live: Live, w: Walk, grads, s
 
 
 def _optimizer(graph: Graph, policy: Policy, live: Live, w: Walk):
-    from .symbols import B_o
+    """The step's points. With a master copy, the gradients are first cast to the master
+    dtype (one copy of all of them, held through the step) and the optimizer updates the
+    master weights; their new values are then copied into the weights in place."""
+    from .symbols import B_m, B_o
     opt, impl = policy.opt, policy.impl
+    if policy.prec.master:
+        live.add("master grads", graph.param_count() * B_m, "transient")
     if impl == "for-loop" and opt.largest_temps:
         sizes = {}
         for p, _ in graph.params():

@@ -1,0 +1,231 @@
+"""Tests of the ``symmem`` command line: formats, numbers against the library and by hand,
+and errors (exit status, message, no traceback).
+
+``main`` runs in-process (fast; the CLI reuses a preset's derivation between calls); one
+test runs the installed console script."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sympy as sp
+
+import symmem
+from symmem.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+MEDIUM = ROOT / "examples" / "gpt2-medium" / "config.json"
+TINY = ROOT / "examples" / "tiny-gpt2"
+GPT2 = ["estimate", "--model", "gpt2", "--batch", "8", "--seq", "1024"]   # fp32, adamw, cuda, auto
+
+# gpt2 by hand: h=768, L=12, V=50257, s_max=1024.
+#   per layer 12*h^2 + 13*h: c_attn 3h^2+3h, c_proj h^2+h, c_fc 4h^2+4h, mlp c_proj 4h^2+h, 2 LN 4h
+#   12*12*768^2 = 84,934,656;  13*12*768 = 119,808;  (50257+1024)*768 = 39,383,808 (wte, wpe)
+#   2*768 = 1,536 (ln_f);  total 124,439,808 parameters; fp32 (4 bytes) -> 497,759,232 bytes.
+GPT2_PARAMS = 124_439_808
+# tiny-gpt2 (h=64, L=2, V=1000, s_max=128): 12*2*64^2 + 13*2*64 + (1000+128)*64 + 2*64
+#   = 98,304 + 1,664 + 72,192 + 128 = 172,288 parameters -> 689,152 bytes in fp32.
+TINY_PARAMS = 172_288
+COMPONENTS = ("params", "grads", "master", "optimizer", "activations")
+ROLES = ("params", "master", "optimizer", "grads", "activations", "transient")
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv):
+    code, out, err = run(capsys, *argv, "--format", "json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def direct():
+    """gpt2, fp32 + adamw on cuda, at b=8, s=1024: the library called directly."""
+    est = symmem.estimate(symmem.models.preset("gpt2"),
+                          symmem.Policy(precision="fp32", optimizer="adamw", device="cuda",
+                                        implementation="auto"))
+    return est.at(b=8, s=1024)
+
+
+# ----------------------------------------------------------------------------- formats
+
+def test_table_names_model_policy_and_peak(capsys, direct):
+    code, out, err = run(capsys, *GPT2)
+    assert code == 0 and err == ""
+    assert out.startswith("symmem estimate: gpt2 (preset)")
+    assert f"{GPT2_PARAMS:,} parameters" in out
+    words = " ".join(out.split())                            # the policy line is wrapped
+    assert "policy: fp32" in words and "adamw [foreach]" in words
+    assert "batch b = 8, seq s = 1,024" in out
+    assert "activations (saved for backward)" in out and "% of total" in out
+    assert f"{direct.peak:,}" in out
+    assert f"at the peak: {direct.peak_point.where}" in out
+    assert "peak formula" in out and "B_w*V*h" in out
+    assert "master" not in out.split("at the peak")[0]      # fp32 has no master copy
+
+
+def test_json_shape(capsys):
+    j = run_json(capsys, *GPT2)
+    assert j["inputs"] == {"model": "gpt2", "config": None, "batch": 8, "seq": 1024,
+                           "precision": "fp32", "optimizer": "adamw", "device": "cuda",
+                           "implementation": "auto", "implementation_resolved": "foreach"}
+    assert set(j["bytes"]) == {*COMPONENTS, "peak"}
+    assert set(j["peak_breakdown"]) == set(ROLES)
+    assert set(j["components"]) == set(COMPONENTS)
+    assert {"peak", "latex"} <= set(j["formula"])
+    for v in (*j["bytes"].values(), *j["peak_breakdown"].values(), j["parameters"]):
+        assert type(v) is int
+    assert j["peak_phase"] in ("forward", "backward", "optimizer") and j["peak_node"]
+    assert sum(j["peak_breakdown"].values()) == j["bytes"]["peak"]
+    assert j["formula"]["latex"].startswith(r"\max")
+
+
+def test_json_equals_library(capsys, direct):
+    j = run_json(capsys, *GPT2)
+    assert j["bytes"] == direct.bytes
+    assert j["peak_breakdown"] == direct.peak_parts
+    assert (j["peak_phase"], j["peak_node"]) == (direct.peak_point.phase, direct.peak_point.node)
+    # and by hand (see GPT2_PARAMS): fp32 weights and grads 4 bytes, AdamW 2 fp32 states
+    assert j["parameters"] == GPT2_PARAMS
+    assert j["bytes"]["params"] == j["bytes"]["grads"] == 4 * GPT2_PARAMS == 497_759_232
+    assert j["bytes"]["optimizer"] == 2 * 4 * GPT2_PARAMS
+    assert j["bytes"]["master"] == 0
+
+
+def test_json_formulas_parse_back(capsys):
+    """The formula strings are sympy-readable: substituting the JSON's own bindings and
+    inputs gives the JSON's numbers."""
+    j = run_json(capsys, *GPT2)
+    values = {sp.Symbol(k): sp.Integer(v) for k, v in j["bindings"].items()}
+    values.update({sp.Symbol("b"): sp.Integer(8), sp.Symbol("s"): sp.Integer(1024)})
+    peak = sp.sympify(j["formula"]["peak"])
+    assert isinstance(peak, sp.Max)
+    assert peak.xreplace(values) == j["bytes"]["peak"]
+    for name, text in j["components"].items():
+        assert sp.sympify(text).xreplace(values) == j["bytes"][name], name
+
+
+def test_config_equals_preset(capsys):
+    by_config = run_json(capsys, "estimate", "--config", MEDIUM, "--batch", 4, "--seq", 1024,
+                         "--precision", "bf16-mixed", "--optimizer", "adam")
+    by_preset = run_json(capsys, "estimate", "--model", "gpt2-medium", "--batch", 4, "--seq", 1024,
+                         "--precision", "bf16-mixed", "--optimizer", "adam")
+    assert by_config["inputs"]["config"] == str(MEDIUM) and by_preset["inputs"]["config"] is None
+    for j in (by_config, by_preset):
+        del j["inputs"]["config"]
+    assert by_config == by_preset
+    assert by_config["inputs"]["model"] == "gpt2-medium"
+    assert by_config["parameters"] == 354_823_168  # 12*24*1024^2 + 13*24*1024 + 51281*1024 + 2048
+
+
+def test_latex(capsys):
+    code, out, err = run(capsys, *GPT2, "--format", "latex")
+    assert code == 0 and err == ""
+    assert out.count(r"\begin{aligned}") == out.count(r"\end{aligned}") == 2
+    assert r"\mathrm{peak} = \max\bigl(" in out and r"\mathrm{activations} &=" in out
+    equations = out[out.index(r"\begin{aligned}"):]
+    assert r"s_{\max}" in equations and r"B_{w}" in equations     # latex_names() applied
+    assert "s_max" not in equations and "B_w" not in equations
+
+
+def test_help_has_examples_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "symmem estimate --model gpt2 --batch 8" in out and "--config" in out
+    assert "exit status" in out and "bad usage" in out
+
+
+def test_models_lists_presets(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0 and all(name in out for name in symmem.models.PRESETS)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def _write(tmp_path, text, name="config.json"):
+    path = tmp_path / name
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    return path
+
+
+def _tiny(**changes):
+    cfg = json.loads((TINY / "config.json").read_text())
+    return json.dumps({**cfg, **changes})
+
+
+ERRORS = {  # id -> (argv after "estimate" or a function of tmp_path giving it, exit status, words)
+    "unknown model": (["--model", "gpt-3", "--batch", 1, "--seq", 8], 1,
+                      ["unknown model", "'gpt-3'", "Known:", "gpt2-medium"]),
+    "missing config": (lambda t: ["--config", t / "nope" / "config.json", "--batch", 1, "--seq", 8],
+                       1, ["config", "nope", "a local config.json file"]),
+    "invalid json": (lambda t: ["--config", _write(t, '{"model_type": "gpt2", n_embd: 64'),
+                                "--batch", 1, "--seq", 8], 1, ["valid JSON", "line 1"]),
+    "not utf-8": (lambda t: ["--config", _write(t, b"\xff\xfe\x00binary"), "--batch", 1, "--seq", 8],
+                  1, ["config", "UTF-8"]),
+    "n_embd not a multiple of n_head": (
+        lambda t: ["--config", _write(t, _tiny(n_embd=66, n_head=4)), "--batch", 1, "--seq", 8],
+        1, ["n_embd", "66", "multiple", "n_head", "(4)"]),
+    "unknown model_type": (
+        lambda t: ["--config", _write(t, _tiny(model_type="llama")), "--batch", 1, "--seq", 8],
+        1, ["model_type", "'llama'", "Known: gpt2"]),
+    "seq beyond n_positions": (["--model", "gpt2", "--batch", 1, "--seq", 2048], 1,
+                               ["--seq", "2048", "n_positions", "1024"]),
+    "unknown precision": (["--model", "gpt2", "--batch", 1, "--seq", 8, "--precision", "bf16"], 1,
+                          ["unknown precision", "'bf16'", "Known:", "bf16-mixed"]),
+    "unknown optimizer": (["--model", "gpt2", "--batch", 1, "--seq", 8, "--optimizer", "sgd-momentun"],
+                          1, ["unknown optimizer", "'sgd-momentun'", "Did you mean 'sgd-momentum'?"]),
+    "batch 0": (["--model", "gpt2", "--batch", 0, "--seq", 8], 2,
+                ["argument --batch", "positive integer", "got 0"]),
+    "batch abc": (["--model", "gpt2", "--batch", "abc", "--seq", 8], 2,
+                  ["argument --batch", "positive integer", "got 'abc'"]),
+    "seq -1": (["--model", "gpt2", "--batch", 1, "--seq=-1"], 2, ["argument --seq", "got -1"]),
+    "model and config": (["--model", "gpt2", "--config", MEDIUM, "--batch", 1, "--seq", 8], 2,
+                         ["not allowed with"]),
+    "no batch": (["--model", "gpt2", "--seq", 8], 2, ["required", "--batch"]),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS, ids=list(ERRORS))
+def test_errors(capsys, tmp_path, case):
+    argv, status, words = ERRORS[case]
+    argv = ["estimate", *map(str, argv(tmp_path) if callable(argv) else argv)]
+    if status == 2:                              # argparse's usage errors exit by themselves
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        code = e.value.code
+    else:
+        code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == status
+    assert out == "" and "Traceback" not in err
+    assert err.startswith("symmem: error: " if status == 1 else "usage: symmem estimate")
+    for w in words:
+        assert w in err, (w, err)
+
+
+# ----------------------------------------------------------------------------- console script
+
+def test_console_script(tmp_path):
+    """The installed ``symmem`` script: a folder holding config.json, json out, exit 0; and a
+    rejected input exits 1 through ``raise SystemExit(main())``."""
+    script = Path(sys.executable).with_name("symmem")
+    if not script.exists():
+        pytest.skip(f"console script not installed next to {sys.executable}")
+    ok = subprocess.run([script, "estimate", "--config", TINY, "--batch", "2", "--seq", "16",
+                         "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    j = json.loads(ok.stdout)
+    assert j["inputs"]["model"] == "tiny-gpt2" and j["parameters"] == TINY_PARAMS
+    assert j["bytes"]["params"] == 4 * TINY_PARAMS
+    bad = subprocess.run([script, "estimate", "--model", "gpt-3", "--batch", "1", "--seq", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.startswith("symmem: error: unknown model 'gpt-3'") and "Traceback" not in bad.stderr
