@@ -28,7 +28,8 @@ class UnknownName(SymmemError):
 
     def __init__(self, kind: str, name, known: tuple[str, ...]):
         self.kind, self.name, self.known = kind, name, tuple(known)
-        close = difflib.get_close_matches(str(name), self.known, n=1)
+        close = [k for k in self.known if str(name) and k.startswith(str(name))] or \
+            difflib.get_close_matches(str(name), self.known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         super().__init__(f"unknown {kind} {name!r}.{hint} Known: {', '.join(self.known)}.")
 

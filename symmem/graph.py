@@ -114,7 +114,7 @@ class Graph:
         for i in inputs:
             sh = self._lookup_shape(i)
             if sh is None:
-                raise ShapeError(name, i, "the name of a value defined earlier in the graph")
+                raise ConfigError(f"input of node {name!r}", i, "the name of a value defined earlier in the graph")
             if i not in self._shapes and i not in self.externals:
                 self.externals = self.externals + (i,)
             shapes.append(sh)
