@@ -160,10 +160,9 @@ def _report(args, policy: Policy) -> dict:
     bindings = est.bindings
     ev = est.at(b=args.batch, s=args.seq)
     point = ev.peak_point
-    peak = peak_formula(est)
+    peak, active = peak_formula(est), canonical(point.total)
     return {
-        "est": est, "ev": ev, "peak": peak,
-        "active": canonical(point.total),
+        "est": est, "ev": ev, "peak": peak, "active": active,
         "json": {
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
@@ -184,7 +183,7 @@ def _report(args, policy: Policy) -> dict:
                 "peak": str(peak),
                 "latex": sp.latex(peak, symbol_names=latex_names()),
                 "peak_candidates": len(peak.args),
-                "peak_at_inputs": str(canonical(point.total)),
+                "peak_at_inputs": str(active),
             },
         },
     }
