@@ -151,6 +151,33 @@ class Estimate:
             raise ConfigError("component", component, f"one of peak, {', '.join(self.components)}")
         return self.components[component]
 
+    def evaluator(self, *names: str, component: str = "peak"):
+        """A vectorised function of the named symbols (every other symbol takes the model's
+        and the policy's bindings): ``f(b=array, s=array) -> array`` of bytes.
+
+        The peak is the elementwise maximum of the compiled candidates (``numpy``). Byte
+        counts below 2**53 are exact in float64; integer inputs keep them integers."""
+        import numpy as np
+        syms = [symbol(n) for n in names]
+        fixed = {k: v for k, v in self.bindings.items() if k not in syms}
+        exprs = ([sp.expand(p.total) for p in self.points] if component == "peak"
+                 else [self.formula(component)])
+        fns = []
+        for e in exprs:
+            e = e.xreplace(fixed)
+            extra = e.free_symbols - set(syms)
+            if extra:
+                missing = sorted(str(x) for x in extra)
+                raise ConfigError("symbols", missing, "bound by the model or named as arguments",
+                                  f"Add them: evaluator({', '.join(repr(n) for n in names + tuple(missing))}).")
+            fns.append(sp.lambdify(syms, e, "numpy"))
+
+        def f(**arrays):
+            args = [np.asarray(arrays[n]) for n in names]
+            return np.maximum.reduce([np.broadcast_to(fn(*args), np.broadcast(*args).shape)
+                                      for fn in fns])
+        return f
+
     def _subs(self, values: dict) -> dict:
         subs = dict(self.bindings)
         for k, v in values.items():

@@ -1,0 +1,90 @@
+"""The engine's own invariants: pruning, canonical forms, evaluation, the timeline."""
+import numpy as np
+import pytest
+import sympy as sp
+
+import symmem as sm
+from symmem.engine import canonical, provably_nonneg
+from symmem.symbols import B_a, L, a, b, h, s
+
+
+@pytest.fixture(scope="module")
+def est():
+    return sm.estimate(sm.models.preset("gpt2"), sm.Policy("bf16-mixed", "adamw", "cuda"))
+
+
+def test_provably_nonneg():
+    assert provably_nonneg(L - 1)              # L >= 1
+    assert provably_nonneg(b * s * h - s)      # b*h >= 1
+    assert provably_nonneg(B_a * (h - 1))
+    assert not provably_nonneg(L - 2)          # false at L = 1
+    assert not provably_nonneg(h**2 - 3 * h + 2)  # >= 0 on integers, but not provable this way: kept
+    assert not provably_nonneg(-B_a)
+
+
+def test_peak_is_max_of_undominated_points(est):
+    peak = est.peak
+    assert isinstance(peak, sp.Max)
+    # no kept point is provably below another kept point
+    totals = [sp.expand(p.total) for p in est.points]
+    for i, ti in enumerate(totals):
+        for j, tj in enumerate(totals):
+            if i != j:
+                assert not provably_nonneg(tj - ti) or not provably_nonneg(ti - tj) is False
+    # every dropped timeline point is dominated by some kept point at random configurations
+    rng = np.random.default_rng(1)
+    f_all = [sp.lambdify([b, s], sp.expand(p.total).xreplace(est.bindings)) for p in est.timeline]
+    f_peak = est.evaluator("b", "s")
+    bb, ss = rng.integers(1, 64, 200), rng.integers(1, 8192, 200)
+    every = np.maximum.reduce([np.broadcast_to(f(bb, ss), bb.shape) for f in f_all])
+    assert np.all(every == f_peak(b=bb, s=ss))
+
+
+def test_canonical_form_groups_by_L_then_b_then_s(est):
+    act = est.components["activations"]
+    assert act == canonical(act)
+    assert sp.expand(act).coeff(L) != 0
+    # collected: the top level is a sum whose L-term is L*(...)
+    assert any(t.is_Mul and L in t.args for t in act.args)
+
+
+def test_evaluator_matches_exact(est):
+    f = est.evaluator("b", "s")
+    for bb, ss in [(1, 1), (8, 1024), (3, 777)]:
+        assert int(f(b=bb, s=ss)) == est.at(b=bb, s=ss).peak
+    assert f(b=np.array([1, 2]), s=np.array([1024, 1024])).shape == (2,)
+
+
+def test_evaluation_breakdown_adds_up(est):
+    ev = est.at(b=8, s=1024)
+    assert sum(ev.peak_parts.values()) == ev.peak
+    # components at the peak can never exceed the components themselves
+    assert ev.peak_parts["params"] == ev.bytes["params"]
+    assert "peak during" in ev.table()
+
+
+def test_timeline_phases_in_order(est):
+    phases = [p.phase for p in est.timeline]
+    assert phases[0] == "forward" and phases[-1] == "optimizer"
+    assert phases.index("backward") > max(i for i, p in enumerate(phases) if p == "forward")
+
+
+def test_gradients_grow_through_backward(est):
+    """Steady state: no gradients during forward; all of them at the optimizer step."""
+    fwd = [p for p in est.timeline if p.phase == "forward"]
+    assert all(dict(p.parts)["grads"] == 0 for p in fwd)
+    opt = [p for p in est.timeline if p.phase == "optimizer"][0]
+    assert sp.expand(dict(opt.parts)["grads"] - est.components["grads"]) == 0
+
+
+def test_cpu_and_cuda_differ_only_where_kernels_do():
+    """On the CPU dropout saves a noise tensor in the activation dtype, on CUDA a 1-byte mask;
+    the CPU saves 8-byte scalars for ``x * c``, and its layer norm keeps mean and rstd in the
+    input's dtype (float32 on CUDA). Everything else is the same."""
+    g = sm.models.build_gpt2(sm.models.GPT2Config(activation_function="gelu"))
+    cpu = sm.estimate(g, sm.Policy("fp32", "sgd", "cpu")).components["activations"]
+    cuda = sm.estimate(g, sm.Policy("fp32", "sgd", "cuda")).components["activations"]
+    # per layer: 2 dropouts of s*b*h and one of a*s*s*b; plus one of s*b*h before the layers
+    masks = (2 * s * b * h + a * s**2 * b) * L + s * b * h
+    stats = (2 * L + 1) * 2 * b * s      # 2L + 1 layer norms, mean and rstd per token
+    assert sp.expand(cpu - cuda - (masks * (B_a - 1) + 8 * L + stats * (B_a - 4))) == 0
