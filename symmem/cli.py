@@ -130,23 +130,9 @@ def _load(args, policy: Policy):
     else:
         try:
             graph = models.from_hf_config(args.config)
-        except (OSError, UnicodeDecodeError) as e:      # unreadable file: say so, no traceback
-            raise ConfigError("config", args.config, "a readable UTF-8 config.json", str(e)) from None
-    n_positions = graph.bindings.get(s_max, graph.bindings.get("s_max"))
-    if n_positions is not None and args.seq > n_positions:
-        raise ConfigError("--seq", args.seq, f"at most the model's n_positions ({n_positions})",
-                          f"{graph.name} has one position embedding per position: use a shorter "
-                          "--seq or a config with a larger n_positions.")
+        except OSError as e:      # unreadable file: say so, no traceback
+            raise ConfigError("config", args.config, "a readable config.json", str(e)) from None
     return _preset_estimate(args.model, policy) if args.model is not None else estimate(graph, policy)
-
-
-def peak_formula(est) -> sp.Expr:
-    """``Max`` over the estimate's candidate points, as :attr:`Estimate.peak` defines it.
-
-    Built unevaluated: ``Estimate.peak`` lets sympy evaluate the ``Max``, which compares
-    the candidates pairwise under the symbols' assumptions and takes 3-8 s, though the
-    engine has already dropped every candidate it can prove dominated."""
-    return sp.Max(*(canonical(p.total) for p in est.points), evaluate=False)
 
 
 def _number(v):
@@ -160,7 +146,7 @@ def _report(args, policy: Policy) -> dict:
     bindings = est.bindings
     ev = est.at(b=args.batch, s=args.seq)
     point = ev.peak_point
-    peak, active = peak_formula(est), canonical(point.total)
+    peak, active = est.peak, canonical(point.total)
     return {
         "est": est, "ev": ev, "peak": peak, "active": active,
         "json": {

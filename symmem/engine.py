@@ -131,8 +131,8 @@ class Estimate:
         comps["activations"] = w.saved_at_end_of_forward
         self.components = {k: canonical(v) for k, v in comps.items()}
         self.points = _prune(w.points)
-        self.bindings = {**{symbol(k) if isinstance(k, str) else k: v for k, v in graph.bindings.items()},
-                         **policy.bindings()}
+        self.bindings = {**{symbol(k) if isinstance(k, str) else k: sp.sympify(v)
+                            for k, v in graph.bindings.items()}, **policy.bindings()}
 
     @cached_property
     def peak(self) -> sp.Expr:
@@ -185,6 +185,10 @@ class Estimate:
             if not isinstance(v, (int, sp.Integer, sp.Rational)) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(str(sym), v, "a positive integer")
             subs[sym] = sp.Integer(v) if isinstance(v, int) else v
+        for lhs, rhs, reason in self.graph.requirements:
+            lv, rv = lhs.xreplace(subs), rhs.xreplace(subs)
+            if lv.is_number and rv.is_number and lv > rv:
+                raise ConfigError(str(lhs), int(lv), f"at most {rhs} = {rv}: {reason}")
         return subs
 
     def at(self, **values) -> Evaluation:
@@ -199,18 +203,19 @@ class Estimate:
                                   f"Pass them, e.g. .at({missing[0]}=...).")
         i = max(range(len(totals)), key=lambda j: totals[j])
         p = self.points[i]
-        comps["peak"] = int(totals[i])
-        parts = {r: int(sp.sympify(e).xreplace(subs)) for r, e in p.parts}
+        comps["peak"] = int(sp.ceiling(totals[i]))
+        parts = {r: self._exact(e, subs, r) for r, e in p.parts}
         return Evaluation(dict(values), comps, p, parts)
 
     @staticmethod
     def _exact(expr, subs, name) -> int:
+        """Whole bytes; a fractional count (int4 packs two elements a byte) rounds up."""
         v = sp.sympify(expr).xreplace(subs)
         if not v.is_number:
             missing = sorted(str(x) for x in v.free_symbols)
             raise ConfigError("values", missing, f"a value for every symbol of {name}",
                               f"Pass them, e.g. .at({missing[0]}=...).")
-        return int(v)
+        return int(sp.ceiling(v))
 
     def __repr__(self) -> str:
         return f"Estimate({self.graph.name}, {self.policy.describe()})\npeak = {self.peak}"

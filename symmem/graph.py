@@ -86,6 +86,7 @@ class Graph:
     parent: "Graph | None" = None
     externals: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    requirements: tuple = ()  # ((lhs, rhs, reason), …): lhs <= rhs must hold when evaluated
     _shapes: dict = field(default_factory=dict)
     _params: dict = field(default_factory=dict)
 
@@ -124,6 +125,10 @@ class Graph:
         self.items.append(node)
         self._shapes[name] = shape
         return name
+
+    def require(self, lhs, rhs, reason: str) -> None:
+        """Record that ``lhs <= rhs`` must hold for any values the model is evaluated at."""
+        self.requirements = self.requirements + ((sp.sympify(lhs), sp.sympify(rhs), reason),)
 
     def output(self, value: str) -> str:
         """Mark ``value`` as returned by the forward pass (e.g. the logits in a model's
@@ -211,7 +216,7 @@ class Graph:
                 prev = ren[item.output]
             g.items.append(Node(item.name, "carry", (prev,), shape=item.shape))
             g._shapes[item.name] = item.shape
-        g.outputs = self.outputs
+        g.outputs, g.requirements = self.outputs, self.requirements
         return g
 
     def to_networkx(self) -> nx.DiGraph:

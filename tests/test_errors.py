@@ -98,3 +98,17 @@ def test_shape_errors_name_the_node():
 def test_every_error_is_a_symmem_error():
     for cls in (ConfigError, UnknownName, ShapeError):
         assert issubclass(cls, SymmemError)
+
+
+def test_sequence_longer_than_positions():
+    est = sm.estimate(sm.models.from_hf_config(GPT2))
+    with pytest.raises(ConfigError, match="^s = 33 is not valid: expected at most s_max = 32: the sequence "
+                                          "length cannot exceed n_positions"):
+        est.at(b=1, s=33)
+    assert est.at(b=1, s=32).peak > 0
+
+
+def test_non_utf8_config(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(ConfigError, match="expected a UTF-8 text file"):
+        sm.models.from_hf_config(tmp_path)

@@ -33,11 +33,14 @@ def from_hf_config(config, name: str | None = None) -> Graph:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise ConfigError("config", str(config), "a local config.json file or a folder holding one")
+            raise ConfigError("config", str(config), "a local config.json file or a folder holding one",
+                              "No such file was found.")
         try:
-            config = json.loads(path.read_text())
+            config = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ConfigError("config", str(path), f"valid JSON ({e.msg} at line {e.lineno})") from None
+        except UnicodeDecodeError:
+            raise ConfigError("config", str(path), "a UTF-8 text file (as Hugging Face writes them)") from None
         name = name or path.parent.name or "model"
     if not isinstance(config, dict):
         raise ConfigError("config", type(config).__name__, "a dict or a path to config.json")

@@ -71,6 +71,7 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
     g = Graph(cfg.name, cfg.bindings())
     ffn = f if cfg.n_inner is not None else 4 * h
     act = ACTIVATIONS[cfg.activation_function]
+    g.require(s, s_max, "the sequence length cannot exceed n_positions, the rows of the position embedding")
     ids = g.input("input_ids", (b, s))
     wte = g.param("wte.weight", (V, h))
     wpe = g.param("wpe.weight", (s_max, h))
