@@ -15,7 +15,7 @@ $(DEMO_VENV)/.installed: pyproject.toml
 
 demo: $(DEMO_VENV)/.installed
 	$(DEMO_VENV)/bin/symmem estimate --model gpt2 --batch 8 --seq 1024 --precision bf16-mixed --optimizer adamw
-	$(DEMO_VENV)/bin/symmem estimate --config examples/gpt2-medium/config.json --batch 4 --seq 1024 --precision fp32 --optimizer sgd --format json
+	$(DEMO_VENV)/bin/symmem estimate --config examples/gpt2-medium/config.json --batch 4 --seq 1024 --precision fp32 --optimizer sgd --device cpu
 
 # torch is pinned and installed before the extras: an unpinned torch would pull a multi-GB CUDA build.
 $(TEST_VENV)/.installed: pyproject.toml
