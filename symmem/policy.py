@@ -141,8 +141,9 @@ class Policy:
     def ctx(self) -> Ctx:
         p = self.prec
         act = DType("compute", B_a, 2 if p.autocast else 3)
+        name = "float32" if p.act == 4 else ("float16" if self.precision.startswith("fp16") else "bfloat16")
         return Ctx(autocast=p.autocast, device=self.device, act=act,
-                   hi=F32 if p.autocast else act, act_is_fp32=(p.act == 4))
+                   hi=F32 if p.autocast else act, act_is_fp32=(p.act == 4), act_name=name)
 
     def bindings(self) -> dict:
         """Numbers for the byte symbols. Optimizer states are float32 (the master dtype)."""

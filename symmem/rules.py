@@ -69,6 +69,13 @@ class Ctx:
     act: DType = DType("compute", B_a, 3)
     hi: DType = DType("compute", B_a, 3)
     act_is_fp32: bool = False
+    act_name: str = "float32"   # the torch dtype ``act`` stands for
+
+    def same(self, x: DType, y: DType) -> bool:
+        """Are x and y the same torch dtype? ``act`` is the dtype called ``act_name``."""
+        def name(d):
+            return self.act_name if d == self.act else d.name
+        return name(x) == name(y)
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,7 @@ def _grads(ins, mode="new"):
 
 
 def _promote(*dts: DType) -> DType:
+    """Type promotion: the highest rank wins; of equal ranks, the first."""
     return max(dts, key=lambda d: d.rank)
 
 
@@ -294,7 +302,7 @@ def relu_rule(node, ins, ctx):
 def to_compute_rule(node, ins, ctx):
     """``x.type(v.dtype)``: a copy into the compute dtype, or x itself when it has it."""
     x = ins[0]
-    if x.dtype == ctx.act:
+    if ctx.same(x.dtype, ctx.act):
         return Footprint(x, alias=0, grads=_grads(ins, "pass"))
     return Footprint(TensorInfo(x.shape, ctx.act, True, x.requires_grad), grads=_grads(ins))
 
@@ -303,7 +311,7 @@ def to_compute_rule(node, ins, ctx):
 def to_float32_rule(node, ins, ctx):
     """``x.float()``: a float32 copy, or x itself when it is float32 already."""
     x = ins[0]
-    if x.dtype == F32 or (x.dtype == ctx.act and ctx.act_is_fp32):
+    if ctx.same(x.dtype, F32):
         return Footprint(x, alias=0, grads=_grads(ins, "pass"))
     return Footprint(TensorInfo(x.shape, F32, True, x.requires_grad), grads=_grads(ins))
 
@@ -312,40 +320,43 @@ def to_float32_rule(node, ins, ctx):
 @rule("layer_norm")
 def layer_norm_rule(node, ins, ctx):
     """``F.layer_norm(x, (h,), w, b)``: NativeLayerNormBackward saves the input, the
-    weight and bias (parameters) and the per-row mean and rstd: numel/h each. On CUDA
-    they are float32 (the accumulation type) whatever x's dtype; the CPU kernel returns
-    them in x's dtype (2 bytes each for a bfloat16 x, measured).
-    Autocast runs layer_norm in float32 (input cast up if needed, output float32)."""
+    weight and bias (parameters) and the per-row mean and rstd: numel/h each.
+
+    CUDA autocast runs layer_norm in float32 (a float32 copy of a half input is what is
+    saved; the output is float32), and CUDA keeps mean and rstd in float32 whatever x's
+    dtype. CPU autocast leaves layer_norm alone: x itself is saved, the output has x's
+    dtype, and the statistics are float32 when the weights are (autocast) and in x's
+    dtype otherwise (2 bytes each for a bfloat16 model; measured)."""
     x = ins[0]
     rows = x.numel / x.shape[-1]
     saved = []
-    if ctx.autocast and x.dtype != F32:
+    if ctx.autocast and ctx.device == "cuda" and not ctx.same(x.dtype, F32):
         saved.append(Saved("layer-norm input (float32 copy)", "new", x.numel, F32))
-        x_dt = out_dt = F32
+        out_dt = F32
     else:
         saved.append(Saved("layer-norm input", "in0"))
-        x_dt = x.dtype
-        out_dt = F32 if ctx.autocast else x.dtype
-    stats = F32 if ctx.device == "cuda" else x_dt
+        out_dt = F32 if (ctx.autocast and ctx.device == "cuda") else x.dtype
+    stats = F32 if (ctx.device == "cuda" or ctx.autocast) else x.dtype
     saved += [Saved("layer-norm mean", "new", rows, stats), Saved("layer-norm rstd", "new", rows, stats)]
     return Footprint(TensorInfo(x.shape, out_dt), saved=tuple(saved), grads=_grads(ins))
 
 
 @rule("softmax")
 def softmax_rule(node, ins, ctx):
-    """``F.softmax(x, -1)`` saves its output (SoftmaxBackward: result). Autocast runs it
-    in float32."""
+    """``F.softmax(x, -1)`` saves its output (SoftmaxBackward: result). CUDA autocast runs
+    it in float32; CPU autocast leaves it in x's dtype."""
     x = ins[0]
-    dt = F32 if ctx.autocast else x.dtype
+    dt = F32 if (ctx.autocast and ctx.device == "cuda") else x.dtype
     return Footprint(TensorInfo(x.shape, dt, True, x.requires_grad),
                      saved=(Saved("softmax output", "out"),), grads=_grads(ins))
 
 
 @rule("log_softmax")
 def log_softmax_rule(node, ins, ctx):
-    """``F.log_softmax(x, -1)`` saves its output. Autocast runs it in float32."""
+    """``F.log_softmax(x, -1)`` saves its output. CUDA autocast runs it in float32; CPU
+    autocast leaves it in x's dtype."""
     x = ins[0]
-    dt = F32 if ctx.autocast else x.dtype
+    dt = F32 if (ctx.autocast and ctx.device == "cuda") else x.dtype
     return Footprint(TensorInfo(x.shape, dt, True, x.requires_grad),
                      saved=(Saved("log-softmax output", "out"),), grads=_grads(ins))
 
@@ -418,12 +429,13 @@ def linear_rule(node, ins, ctx):
     out = TensorInfo(tuple(x.shape[:-1]) + (out_features,), ctx.act if ctx.autocast else x.dtype)
     saved, bwd_temp = [], sp.Integer(0)
     if ctx.autocast:
-        if x.dtype != ctx.act:
+        if not ctx.same(x.dtype, ctx.act):
             saved.append(Saved("input (autocast copy)", "new", x.numel, ctx.act))
-            bwd_temp += x.numel * ctx.act.nbytes
+            bwd_temp += x.numel * ctx.act.nbytes if x.requires_grad else 0
         else:
             saved.append(Saved("input", "in0"))
-        saved.append(Saved("weight (autocast copy)", f"cast:{w.name}", w.numel, ctx.act))
+        if x.requires_grad:   # addmm keeps the weight only to compute the input's gradient
+            saved.append(Saved("weight (autocast copy)", f"cast:{w.name}", w.numel, ctx.act))
         bwd_temp += sum((p.numel for p in node.params), sp.Integer(0)) * ctx.act.nbytes
     else:
         saved.append(Saved("input", "in0"))
@@ -434,8 +446,10 @@ def linear_rule(node, ins, ctx):
 def matmul_rule(node, ins, ctx):
     """``torch.matmul(x, y)`` (or ``x @ y.transpose(-1, -2)`` with ``transpose_b=True``)
     on 4-D tensors: matmul reshapes each operand to 3-D for bmm; a non-contiguous operand
-    (a transposed view) is copied, and bmm saves both 3-D operands. Under autocast the
-    operands are cast to the half dtype first (a copy when they are not)."""
+    (a head view (b, a, s, d) of a (b, s, 3h) tensor) is copied, and bmm saves both 3-D
+    operands. Under autocast the operands are cast to the half dtype first (a copy when
+    they are not). (At b = 1 or a = 1 a head view reshapes without a copy and the whole
+    qkv storage is saved instead: the same bytes for q, k and v together, not counted so.)"""
     x, y = ins
     m, kx = x.shape[-2], x.shape[-1]
     ky, n = (y.shape[-1], y.shape[-2]) if node.attr("transpose_b") else (y.shape[-2], y.shape[-1])
@@ -444,8 +458,8 @@ def matmul_rule(node, ins, ctx):
     dt = ctx.act if ctx.autocast else _promote(x.dtype, y.dtype)
     saved = []
     for i, (t, label) in enumerate(((x, "left operand"), (y, "right operand"))):
-        contiguous = t.contiguous and not (i == 1 and node.attr("transpose_b"))
-        if t.dtype != dt or not contiguous:
+        # a transposed contiguous operand reshapes to 3-D as a view: bmm saves that view
+        if not ctx.same(t.dtype, dt) or not t.contiguous:
             saved.append(Saved(f"{label} (contiguous copy)", "new", t.numel, dt))
         else:
             saved.append(Saved(label, f"in{i}"))

@@ -237,9 +237,6 @@ def test_linear_input_without_grad_fp32_saves_input():
     compare(g, FP32, make, formula=4 * b * s * h)
 
 
-@xfail("linear rule saves the weight's bf16 copy even when the input needs no gradient; "
-       "PyTorch's addmm saves mat2 only to compute grad(mat1). At b=2, s=3, h=8: symmem "
-       "96 + 64 = 160 bytes, PyTorch 96 (the bf16 input copy alone)")
 def test_linear_input_without_grad_autocast_saves_no_weight_copy():
     g = graph()
     x = g.input("x", (b, s, h), dtype="float32")      # requires_grad=False: e.g. raw features
@@ -403,11 +400,6 @@ def test_matmul_of_head_views_at_batch_one_saves_views():
     compare(g, FP32, _qk_make, sizes=((1, 3), (1, 5)), formula=12 * b * s * h)
 
 
-@xfail("matmul rule treats y.transpose(-1, -2) as a copy whenever transpose_b is set; for a "
-       "contiguous y the 3-D reshape of the transpose is a view and bmm saves it, so a y "
-       "already saved by another op is not stored twice. At b=2, s=3, h=8 fp32: symmem "
-       "3 * b*s*h * 4 = 576 bytes (x, relu(y), a 'copy' of relu(y)^T), PyTorch 384 (x and "
-       "relu(y), once each)")
 def test_matmul_transpose_b_of_contiguous_operand_saves_a_view():
     g = graph(a=2)
     x = float_input(g, (b, a, s, h / a), name="x")
@@ -617,12 +609,6 @@ def test_to_compute_is_a_no_op_on_the_compute_dtype():
     assert infos(g, BF16)["c_e"].alias is None          # float32 embedding -> bf16 copy
 
 
-@xfail("to_compute copies a float32 value under the fp32 policy (and a 'bfloat16' input "
-       "under bf16-mixed): it compares with the 'compute' DType, which is a different DType "
-       "object from F32 / the input's bfloat16 though the same PyTorch dtype. PyTorch's "
-       "x.type(x.dtype) returns x. relu -> to_compute -> gelu at b=2, s=3, h=8: fp32 symmem "
-       "2*b*s*h*4 = 384 bytes (relu output + a 'copy' gelu saves), PyTorch 192 (one "
-       "storage); bf16 symmem 96 + 96 = 192, PyTorch 96")
 @pytest.mark.parametrize("policy,dtype", [(FP32, "float32"), (BF16, "bfloat16")],
                          ids=["fp32-float32", "bf16-bfloat16"])
 def test_to_compute_of_a_value_already_in_the_compute_dtype_is_a_no_op(policy, dtype):
@@ -736,10 +722,6 @@ def test_layer_norm_half_weights_without_autocast_keeps_statistics_in_bf16():
     compare(g, policy, make, formula=2 * b * s * h + 4 * b * s)
 
 
-@xfail("layer_norm rule assumes autocast runs layer_norm in float32 (true on CUDA); CPU "
-       "autocast does not list layer_norm, so a bf16 input stays bf16: it is saved as is "
-       "(no float32 copy) and the output is bf16. At b=2, s=3, h=8: symmem 4*48 + 48 = 240 "
-       "bytes, PyTorch 2*48 + 48 = 144 (bf16 input + float32 mean/rstd); output 2 bytes/elt")
 def test_layer_norm_bf16_input_under_cpu_autocast():
     g = _ln_graph("bfloat16")
     # Truth on the CPU: the bf16 input itself (2 bytes) + float32 mean and rstd.
@@ -764,9 +746,6 @@ def test_softmax_float32_input_saves_output(policy, op):
     compare(g, policy, make, formula=4 * b * s * h)       # the float32 output
 
 
-@xfail("softmax / log_softmax rules assume autocast runs them in float32 (true on CUDA); "
-       "CPU autocast does not list them, so on a bf16 input the output (which is what is "
-       "saved) is bf16. At b=2, s=3, h=8: symmem 4*48 = 192 bytes, PyTorch 2*48 = 96")
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 def test_softmax_bf16_input_under_cpu_autocast(op):
     g = graph()
@@ -1091,10 +1070,6 @@ def test_attention_block_without_attention_dropout(policy):
             formula=_attention_formula(policy, attn_p=0.0, source="embedding"))
 
 
-@xfail("with a float32 graph input under fp32, to_compute on the float32 softmax output "
-       "makes a 'copy' in the compute dtype (see the to_compute xfail), and with p=0 the "
-       "context matmul saves that copy besides the softmax output. At b=2, s=3, h=8, a=2: "
-       "symmem 1496 bytes, PyTorch 1352 (difference b*a*s*s*4 = 144)")
 def test_attention_block_without_attention_dropout_float32_input():
     compare(_attention_graph(attn_p=0.0), FP32, _attention_make(attn_p=0.0),
             formula=_attention_formula(FP32, attn_p=0.0))
