@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 
-__all__ = ["SymmemError", "ConfigError", "UnknownName", "ShapeError"]
+__all__ = ["SymmemError", "ConfigError", "UnknownName", "ShapeError", "Infeasible"]
 
 
 class SymmemError(Exception):
@@ -40,3 +40,20 @@ class ShapeError(SymmemError):
     def __init__(self, node: str, got, expected: str):
         self.node, self.got, self.expected = node, got, expected
         super().__init__(f"shape mismatch at node {node!r}: got {got}, expected {expected}.")
+
+
+class Infeasible(SymmemError):
+    """No value of ``symbol`` fits the budget. ``needed`` is the peak at the closest value
+    tried (``value``), ``usable`` the budget after the reserve; ``breakdown`` is the table
+    of what is live at that peak."""
+
+    def __init__(self, symbol: str, value: int, needed: int, usable: int, where: str,
+                 breakdown: str, hint: str):
+        from .dtypes import format_bytes
+        self.symbol, self.value, self.needed, self.usable = symbol, value, needed, usable
+        self.where, self.breakdown, self.hint = where, breakdown, hint
+        super().__init__(
+            f"no value of {symbol} fits: at {symbol} = {value} the peak is {needed:,} bytes "
+            f"({format_bytes(needed)}, during {where}) but the budget allows {usable:,} bytes "
+            f"({format_bytes(usable)}). It needs {needed - usable:,} bytes "
+            f"({format_bytes(needed - usable)}) more: {hint}\n{breakdown}")

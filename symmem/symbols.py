@@ -18,7 +18,7 @@ from .errors import UnknownName
 
 __all__ = [
     "SymbolInfo", "TABLE", "symbol", "latex_names",
-    "b", "s", "h", "a", "L", "V", "f", "k", "s_max",
+    "b", "s", "h", "a", "L", "V", "f", "k", "s_max", "G", "g", "t", "d", "M", "R",
     "B_w", "B_g", "B_m", "B_o", "B_a",
     "DIMENSIONS", "BYTE_SYMBOLS",
 ]
@@ -49,20 +49,29 @@ _INFOS = [
     _dim("f", "f", "feed-forward (MLP) width"),
     _dim("k", "k", "key/value heads"),
     _dim("s_max", r"s_{\max}", "maximum positions (rows of the position embedding)"),
+    _dim("G", "G", "global batch (sequences per optimizer step, per data-parallel rank)"),
+    _dim("g", "g", "gradient-accumulation steps (micro-batches per optimizer step)"),
+    _dim("t", "t", "tensor-parallel degree"),
+    _dim("d", "d", "data-parallel degree"),
     _bytes("B_w", r"B_{w}", "bytes per weight element"),
     _bytes("B_g", r"B_{g}", "bytes per gradient element"),
     _bytes("B_m", r"B_{m}", "bytes per master-weight element"),
     _bytes("B_o", r"B_{o}", "bytes per optimizer-state element"),
     _bytes("B_a", r"B_{a}", "bytes per activation element in the compute dtype"),
+    SymbolInfo(sp.Symbol("M", positive=True, integer=True), "M", "memory budget: the device's capacity in bytes"),
+    SymbolInfo(sp.Symbol("R", nonnegative=True, integer=True), "R",
+               "reserve: bytes set aside for the CUDA context, workspaces and fragmentation"),
 ]
 
 #: name -> SymbolInfo, in a fixed, documented order.
 TABLE: dict[str, SymbolInfo] = {i.symbol.name: i for i in _INFOS}
 
 b, s, h, a, L, V, f, k, s_max = (TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "s_max"))
+G, g, t, d = (TABLE[n].symbol for n in ("G", "g", "t", "d"))
 B_w, B_g, B_m, B_o, B_a = (TABLE[n].symbol for n in ("B_w", "B_g", "B_m", "B_o", "B_a"))
+M, R = TABLE["M"].symbol, TABLE["R"].symbol
 
-DIMENSIONS = (b, s, h, a, L, V, f, k, s_max)
+DIMENSIONS = (b, s, h, a, L, V, f, k, s_max, G, g, t, d)
 BYTE_SYMBOLS = (B_w, B_g, B_m, B_o, B_a)
 
 

@@ -1,0 +1,263 @@
+"""The largest (or smallest) value of a symbol that fits a memory budget.
+
+Memory grows with the batch, the sequence length, the layers and the hidden size, and
+falls with parallel degrees and with gradient-accumulation steps at a fixed global batch.
+:func:`solve` finds, with every other symbol fixed, the largest value of a growing
+symbol (``direction="max"``) or the smallest value of a falling one (``"min"``) whose
+peak fits ``M - R`` (the budget minus the reserve), exactly: it evaluates the peak
+(a ``Max`` of candidate formulas) with integers and searches (doubling, then bisection),
+then proves the answer by evaluating at it and one step past it.
+
+It also gives the boundary in closed form: the candidate that crosses the budget first
+(it *binds*) is a polynomial in the symbol, so ``candidate(x) = M - R`` solves as
+``x = (M - R - c0)/c1`` (linear) or by the quadratic formula (``s`` with explicit
+attention's ``a*b*s**2`` terms); the answer is its floor (or ceiling for ``"min"``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import sympy as sp
+
+from .dtypes import format_bytes
+from .engine import Estimate, Evaluation, canonical
+from .errors import ConfigError, Infeasible
+from .schedule import Point
+from .symbols import M, R, symbol as lookup
+
+__all__ = ["Solution", "solve", "max_batch", "max_seq", "frontier"]
+
+LIMIT = 2**40   # the search gives up past this value of the symbol
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The answer of :func:`solve` with its proof and its closed form."""
+    symbol: str
+    direction: str              # "max" or "min"
+    value: int
+    total: int                  # the device's bytes (M)
+    reserve: int                # bytes set aside (R)
+    at_value: Evaluation        # exact bytes at the answer: peak <= total - reserve
+    past_value: Evaluation | None   # one step past it (value + 1, or value - 1): peak > usable
+    binding: Point              # the candidate of the peak that crosses the budget
+    boundary: sp.Expr | None    # the answer as a formula in M, R and the other symbols
+    boundary_numeric: sp.Expr | None  # the same with the model's and fixed numbers, in M and R
+    fixed: dict
+    limit: str | None = None    # set when the model's own limit, not memory, stops the search
+
+    @property
+    def usable(self) -> int:
+        return self.total - self.reserve
+
+    def __str__(self) -> str:
+        past = self.past_value
+        lines = [f"{self.direction} {self.symbol} = {self.value:,}",
+                 f"  peak at {self.symbol} = {self.value:,}: {self.at_value.peak:,} bytes "
+                 f"({format_bytes(self.at_value.peak)}) <= usable {self.usable:,} "
+                 f"({format_bytes(self.total)} - reserve {format_bytes(self.reserve)})"]
+        if past is not None:
+            step = self.value + (1 if self.direction == "max" else -1)
+            lines.append(f"  peak at {self.symbol} = {step:,}: {past.peak:,} bytes "
+                         f"({format_bytes(past.peak)}) > usable")
+        if self.limit:
+            lines.append(f"  limited by the model: {self.limit}")
+        else:
+            lines.append(f"  binding: {self.binding.where}")
+        if self.boundary is not None:
+            lines.append(f"  boundary: {self.symbol} = {self.boundary}")
+        return "\n".join(lines)
+
+    def _repr_latex_(self) -> str:
+        from .symbols import latex_names
+        if self.boundary is None:
+            return f"${self.symbol} = {self.value}$"
+        tex = sp.latex(self.boundary, symbol_names=latex_names())
+        return f"${sp.latex(lookup(self.symbol))}_{{\\{self.direction}}} = {tex} = {self.value}$"
+
+
+def _poly_eval(coeffs: list[Fraction], x: int) -> Fraction:
+    acc = Fraction(0)
+    for c in coeffs:
+        acc = acc * x + c
+    return acc
+
+
+class _Peak:
+    """The peak as a function of one symbol, every other symbol bound: exact and fast."""
+
+    def __init__(self, est: Estimate, x: sp.Symbol, subs: dict):
+        self.x, self.fns = x, []
+        for p in est.points:
+            e = sp.expand(sp.expand(p.total).xreplace(subs))
+            extra = e.free_symbols - {x}
+            if extra:
+                names = sorted(str(v) for v in extra)
+                raise ConfigError("values", names, f"a value for every symbol but {x}",
+                                  f"Pass them, e.g. {names[0]}=....")
+            try:
+                coeffs = [Fraction(int(c.p), int(c.q)) for c in sp.Poly(e, x).all_coeffs()]
+                self.fns.append(lambda v, c=coeffs: _poly_eval(c, v))
+            except (sp.PolynomialError, AttributeError):
+                self.fns.append(lambda v, e=e: Fraction(str(e.xreplace({x: v}))))
+
+    def __call__(self, v: int) -> Fraction:
+        return max(fn(v) for fn in self.fns)
+
+    def binding(self, v: int) -> int:
+        return max(range(len(self.fns)), key=lambda i: self.fns[i](v))
+
+
+def _budget(budget, reserve) -> tuple[int, int]:
+    from .gpus import parse_bytes, reserve_bytes
+    total = parse_bytes(budget)
+    return total, reserve_bytes(reserve, total)
+
+
+def solve(est: Estimate, symbol: str, budget, *, reserve=0, direction: str = "max",
+          **fixed) -> Solution:
+    """The largest (``direction="max"``) or smallest (``"min"``) integer value of ``symbol``
+    whose peak fits ``budget - reserve`` bytes, every other symbol fixed by ``fixed`` or by
+    the model's bindings. ``budget``: bytes or a string ("80GiB", "80GB"); ``reserve``:
+    bytes, a string or a percentage of the budget ("10%").
+
+    Raises :class:`~symmem.errors.Infeasible` when no value fits."""
+    if direction not in ("max", "min"):
+        raise ConfigError("direction", direction, "'max' or 'min'")
+    x = lookup(symbol)
+    if symbol in fixed:
+        raise ConfigError(symbol, fixed[symbol], f"not fixed: it is the symbol solved for")
+    total, res = _budget(budget, reserve)
+    usable = total - res
+    subs = est._subs(fixed)
+    subs.pop(x, None)
+    peak = _Peak(est, x, subs)
+    cap, why = _cap(est, x, subs)
+    if direction == "max":
+        value = _search_max(peak, usable, est, symbol, fixed, cap)
+        if value == cap and peak(cap + 1) <= usable:
+            at_value = est.at(**fixed, **{symbol: value})
+            bind = est.points[peak.binding(value)]
+            return Solution(symbol, direction, value, total, res, at_value, None, bind, None, None,
+                            dict(fixed), limit=why)
+        step = value + 1
+    else:
+        value = _search_min(peak, usable, est, symbol, fixed)
+        step = value - 1 if value > 1 else None
+    at_value = est.at(**fixed, **{symbol: value})
+    past = est.at(**fixed, **{symbol: step}) if step is not None and not _beyond(est, fixed, symbol, step) else None
+    bind = est.points[peak.binding(step if step is not None else value)]
+    boundary, numeric = _boundary(bind, x, direction, value, subs, total, res)
+    return Solution(symbol, direction, value, total, res, at_value, past, bind, boundary, numeric,
+                    dict(fixed))
+
+
+def _beyond(est, fixed, symbol, value) -> bool:
+    try:
+        est._subs({**fixed, symbol: value})
+        return False
+    except ConfigError:
+        return True
+
+
+def _cap(est: Estimate, x, subs) -> tuple[int | None, str | None]:
+    """The model's own upper limit on ``x`` (e.g. s <= s_max), if it has one."""
+    for lhs, rhs, reason in est.graph.requirements:
+        if lhs == x:
+            v = rhs.xreplace(subs)
+            if v.is_number:
+                return int(v), f"{x} <= {rhs} = {int(v)}: {reason}"
+    return None, None
+
+
+def _search_max(peak: _Peak, usable: int, est, symbol, fixed, cap=None) -> int:
+    if peak(1) > usable:
+        _infeasible(est, symbol, 1, usable, fixed, "a larger device or budget, a smaller reserve, "
+                    "or less memory elsewhere (fix another symbol lower)")
+    if cap is not None and peak(cap) <= usable:
+        return cap
+    lo, hi = 1, 2 if cap is None else min(2, cap)
+    while peak(hi) <= usable:           # with a cap, peak(cap) does not fit: this ends
+        lo, hi = hi, hi * 2 if cap is None else min(hi * 2, cap)
+        if hi > LIMIT:
+            raise ConfigError(symbol, f"> {LIMIT}", "a bounded answer",
+                              f"The peak does not grow with {symbol} enough to reach the budget.")
+    while hi - lo > 1:          # peak(lo) fits, peak(hi) does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid) <= usable else (lo, mid)
+    return lo
+
+
+def _search_min(peak: _Peak, usable: int, est, symbol, fixed) -> int:
+    if peak(1) <= usable:
+        return 1
+    lo, hi = 1, 2
+    while peak(hi) > usable:
+        lo, hi = hi, hi * 2
+        if hi > LIMIT:
+            _infeasible(est, symbol, LIMIT, usable, fixed,
+                        f"the part of the peak that does not shrink with {symbol} is too large")
+    while hi - lo > 1:          # peak(lo) does not fit, peak(hi) fits
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if peak(mid) <= usable else (mid, hi)
+    return hi
+
+
+def _infeasible(est, symbol, value, usable, fixed, hint):
+    ev = est.at(**fixed, **{symbol: value})
+    raise Infeasible(symbol, value, ev.peak, usable, ev.peak_point.where, ev.table(), hint)
+
+
+def _boundary(point: Point, x, direction, value, subs, total, res):
+    """``x`` where the binding candidate meets ``M - R``, as the floor (``"max"``) or the
+    ceiling (``"min"``) of a closed form: linear or quadratic in x (after clearing a
+    denominator); None when it is neither. Returns the formula and the same with the
+    model's numbers (in M and R)."""
+    num, den = sp.fraction(sp.together(sp.expand(point.total)))
+    budget = (M - R) * den                       # candidate = M - R  <=>  num = (M - R)*den
+    try:
+        cs = [canonical(c) for c in sp.Poly(sp.expand(num - budget), x).all_coeffs()]
+    except sp.PolynomialError:
+        return None, None
+    if len(cs) == 2:
+        c1, c0 = cs
+        forms = [lambda c1, c0: sp.Mul(-c0, sp.Pow(c1, -1, evaluate=False), evaluate=False)]
+    elif len(cs) == 3:
+        c2, c1, c0 = cs
+        forms = [lambda c2, c1, c0, sign=sign: sp.Mul(-c1 + sign * sp.sqrt(c1**2 - 4 * c2 * c0),
+                                                    sp.Pow(2 * c2, -1, evaluate=False), evaluate=False)
+                 for sign in (1, -1)]
+    else:
+        return None, None
+    rnd = sp.floor if direction == "max" else sp.ceiling
+    numbers = [canonical(c.xreplace(subs)) for c in cs]
+    for form in forms:
+        r = form(*numbers).xreplace({M: total, R: res})
+        if r.is_real and rnd(r) == value:
+            return rnd(form(*cs)), rnd(form(*numbers))
+    return None, None
+
+
+def max_batch(est: Estimate, budget, *, reserve=0, **fixed) -> Solution:
+    """The largest micro-batch ``b`` that fits (``s`` and anything unbound in ``fixed``)."""
+    return solve(est, "b", budget, reserve=reserve, direction="max", **fixed)
+
+
+def max_seq(est: Estimate, budget, *, reserve=0, **fixed) -> Solution:
+    """The longest sequence ``s`` that fits (``b`` in ``fixed``), within the model's limits."""
+    sol = solve(est, "s", budget, reserve=reserve, direction="max", **fixed)
+    return sol
+
+
+def frontier(est: Estimate, budget, over: str, values, *, solve_for: str = "b", reserve=0,
+             **fixed) -> list[tuple[int, int | None]]:
+    """The feasible region's edge: for each value of ``over`` (e.g. ``s``), the largest
+    ``solve_for`` (e.g. ``b``) that fits, or None where nothing fits."""
+    out = []
+    for v in values:
+        try:
+            out.append((v, solve(est, solve_for, budget, reserve=reserve, **fixed, **{over: v}).value))
+        except Infeasible:
+            out.append((v, None))
+    return out

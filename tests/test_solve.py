@@ -1,0 +1,159 @@
+"""Solvers: the answer, its proof, the closed-form boundary, and agreement with brute force."""
+import numpy as np
+import pytest
+import sympy as sp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import symmem as sm
+from symmem.errors import ConfigError, Infeasible
+from symmem.solve import frontier, max_batch, max_seq, solve
+from symmem.symbols import G, M, R, b, g, h, s
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return sm.estimate(sm.models.preset("gpt2"), sm.Policy("bf16-mixed", "adamw"))
+
+
+def test_max_batch_with_proof(gpt2):
+    sol = max_batch(gpt2, "80GiB", reserve="10%", s=1024)
+    # usable = 80 GiB - 10% = 85,899,345,920 - 8,589,934,592 = 77,309,411,328
+    assert (sol.total, sol.reserve, sol.usable) == (85_899_345_920, 8_589_934_592, 77_309_411_328)
+    assert sol.at_value.peak <= sol.usable < sol.past_value.peak
+    assert sol.value == 31
+    # the boundary, evaluated, is the answer; with numbers it is floor((M - R - c0)/c1)
+    assert sol.boundary.xreplace({**gpt2.bindings, s: 1024, M: sol.total, R: sol.reserve}) == 31
+    c1 = gpt2.at(b=2, s=1024).peak - gpt2.at(b=1, s=1024).peak     # bytes per sequence
+    assert sp.expand(sol.boundary_numeric.args[0] - (M - R - (gpt2.at(b=1, s=1024).peak - c1)) / c1) == 0
+    assert sol.binding.where == "backward log_softmax"
+    assert "max b = 31" in str(sol)
+
+
+def test_quadratic_boundary_in_s(gpt2):
+    """Explicit attention saves a*b*s^2 terms: the boundary in s is a root of a quadratic."""
+    sol = max_seq(gpt2, "16GiB", b=8)
+    assert sol.at_value.peak <= 16 * GiB < sol.past_value.peak
+    assert any(isinstance(x, sp.Pow) and x.exp == sp.Rational(1, 2) for x in sp.preorder_traversal(sol.boundary))
+    assert sol.boundary_numeric.xreplace({M: 16 * GiB, R: 0}) == sol.value
+
+
+def test_sequence_limited_by_the_model(gpt2):
+    sol = max_seq(gpt2, "80GiB", b=1)
+    assert sol.value == 1024 and sol.limit.startswith("s <= s_max = 1024")
+    assert sol.past_value is None and sol.boundary is None
+
+
+def test_infeasible_shows_the_breakdown(gpt2):
+    with pytest.raises(Infeasible) as e:
+        max_batch(gpt2, "1GiB", s=1024)
+    err = e.value
+    assert err.symbol == "b" and err.value == 1 and err.usable == GiB
+    assert err.needed == gpt2.at(b=1, s=1024).peak
+    assert str(err).startswith("no value of b fits: at b = 1 the peak is 4,156,690,948 bytes (3.87 GiB, "
+                               "during backward log_softmax) but the budget allows 1,073,741,824 bytes")
+    assert "at peak/activations" in str(err)
+
+
+def test_other_symbols(gpt2):
+    sol = solve(gpt2, "L", "80GiB", b=8, s=1024)
+    assert gpt2.at(b=8, s=1024, L=sol.value).peak <= 80 * GiB < gpt2.at(b=8, s=1024, L=sol.value + 1).peak
+    with pytest.raises(ConfigError, match="b = 8 is not valid: expected not fixed"):
+        solve(gpt2, "b", "80GiB", b=8, s=1024)
+    with pytest.raises(ConfigError, match=r"values = \['s'\]"):
+        solve(gpt2, "b", "80GiB")
+
+
+def test_frontier(gpt2):
+    edge = frontier(gpt2, "40GB", "s", [128, 512, 1024])
+    assert [v for v, _ in edge] == [128, 512, 1024]
+    bs = [m for _, m in edge]
+    assert bs == sorted(bs, reverse=True)       # longer sequences, smaller batches
+    assert frontier(gpt2, "1GB", "s", [1024]) == [(1024, None)]
+
+
+# --- a graph built for a symbol memory falls with: gradient accumulation at a fixed global batch
+def accumulation_model():
+    """G sequences per optimizer step, in g micro-batches of G/g: the activations fall with g."""
+    gr = sm.Graph("accumulate", {h: 256, s: 512, G: 64})
+    ids = gr.input("ids", (G / g, s))
+    w = gr.param("embed", (1000, h))
+    x = gr.add("embedding", ids, params=(w,), name="embed")
+    x = gr.add("linear", x, params=(gr.param("up", (4 * h, h)),), name="up")
+    x = gr.add("gelu", x, name="act")
+    x = gr.add("linear", x, params=(gr.param("down", (h, 4 * h)),), name="down")
+    x = gr.add("linear", x, params=(gr.param("head", (1000, h)),), name="head")
+    x = gr.add("log_softmax", x, name="logp")
+    gr.add("nll_loss", x, ids, name="loss")
+    return sm.estimate(gr, sm.Policy("fp32", "adamw"))
+
+
+def test_min_accumulation_steps():
+    est = accumulation_model()
+    peak = est.evaluator("g")
+    g1 = int(peak(g=1))
+    budget = g1 // 3
+    sol = solve(est, "g", budget, direction="min")
+    assert sol.value > 1
+    assert sol.at_value.peak <= budget < sol.past_value.peak
+    assert sol.boundary is not None and sol.boundary.func == sp.ceiling
+    brute = next(v for v in range(1, 10_000) if peak(g=v) <= budget)
+    assert sol.value == brute
+    with pytest.raises(Infeasible, match="does not shrink with g"):
+        solve(est, "g", est.components["params"].xreplace(est.bindings), direction="min")
+
+
+# --- property tests: random models and settings against brute force
+ESTIMATES = {}
+
+
+def cached(precision, optimizer, device, act):
+    key = (precision, optimizer, device, act)
+    if key not in ESTIMATES:
+        cfg = sm.models.GPT2Config(activation_function=act)
+        ESTIMATES[key] = sm.estimate(sm.models.build_gpt2(cfg), sm.Policy(precision, optimizer, device))
+    return ESTIMATES[key]
+
+
+settings_ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def problems(draw):
+    est = cached(draw(st.sampled_from(["fp32", "bf16-mixed", "bf16-master"])),
+                 draw(st.sampled_from(["sgd", "adamw"])), draw(st.sampled_from(["cuda", "cpu"])),
+                 draw(st.sampled_from(["gelu", "gelu_new"])))
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    model = {"a": heads, "h": heads * draw(st.integers(1, 64)), "L": draw(st.integers(1, 8)),
+             "V": draw(st.integers(2, 5000)), "s_max": 4096}
+    seq = draw(st.integers(1, 4096))
+    base = est.at(b=1, s=seq, **model).peak
+    per_seq = est.at(b=2, s=seq, **model).peak - base
+    budget = base + draw(st.integers(0, 300)) * per_seq + draw(st.integers(0, per_seq))
+    return est, model, seq, budget
+
+
+@settings_
+@given(problems())
+def test_max_batch_equals_brute_force(problem):
+    est, model, seq, budget = problem
+    sol = max_batch(est, budget, s=seq, **model)
+    f = est.evaluator("b", "s", "a", "h", "L", "V", "s_max")
+    bs = np.arange(1, 2000)
+    peaks = f(b=bs, s=seq, **model)
+    fits = peaks <= budget
+    brute = int(bs[fits].max())
+    assert sol.value == brute
+    assert sol.at_value.peak <= budget < sol.past_value.peak       # exact at the boundary
+    if sol.boundary is not None:
+        assert sol.boundary.xreplace({**est.bindings, **{sm.symbols.symbol(k): v for k, v in model.items()},
+                                      s: seq, M: budget, R: 0}) == sol.value
+
+
+@settings_
+@given(problems(), st.integers(1, 10**9))
+def test_monotone_in_budget(problem, more):
+    est, model, seq, budget = problem
+    assert max_batch(est, budget, s=seq, **model).value <= max_batch(est, budget + more, s=seq, **model).value
