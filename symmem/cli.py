@@ -22,15 +22,30 @@ from . import __version__, models
 from .dtypes import format_bytes
 from .engine import canonical, estimate
 from .errors import ConfigError, SymmemError
+from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
 from .policy import DEVICES, IMPLEMENTATIONS, OPTIMIZERS, PRECISIONS, Policy
 from .schedule import ROLES
-from .symbols import B_w, latex_names, s_max
+from .symbols import B_w, latex_names
 
 __all__ = ["main", "build_parser"]
 
 FORMATS = ("table", "json", "latex")
 COMPONENTS = ("params", "grads", "master", "optimizer", "activations")
 WIDTH = 88
+
+SOLVE_EPILOG = """\
+examples:
+  symmem max-batch --model gpt2 --seq 1024 --precision bf16-mixed --gpu H100-80GB
+  symmem max-batch --model gpt2-xl --seq 2048 --budget 80GiB --reserve 2GiB --format json
+  symmem solve --model gpt2 --for s --max --batch 8 --gpu A100-40GB
+  symmem solve --model gpt2 --for L --batch 8 --seq 1024 --budget 24GB --reserve 0
+
+The answer comes with its proof (the peak at the answer fits the usable budget, the
+peak one step past it does not), the boundary formula and the candidate that binds.
+
+exit status: 0 success; 1 nothing fits (the message shows the breakdown at the
+smallest value) or an input was rejected; 2 bad usage.
+"""
 
 EPILOG = """\
 examples:
@@ -64,6 +79,36 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _model_options(p):
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="NAME", help=f"a preset: {', '.join(models.PRESETS)}")
+    src.add_argument("--config", metavar="PATH",
+                     help="a local Hugging Face config.json, or the folder holding one "
+                          "(nothing is downloaded)")
+    # Names are checked by Policy (exit 1, with a "did you mean" hint), not by argparse choices.
+    p.add_argument("--precision", metavar="NAME", default="fp32",
+                   help=f"{' | '.join(PRECISIONS)} (default: %(default)s)")
+    p.add_argument("--optimizer", metavar="NAME", default="adamw",
+                   help=f"{' | '.join(OPTIMIZERS)} (default: %(default)s)")
+    p.add_argument("--device", metavar="NAME", default="cuda",
+                   help=f"{' | '.join(DEVICES)} (default: %(default)s)")
+    p.add_argument("--implementation", metavar="NAME", default="auto",
+                   help=f"optimizer implementation: {' | '.join(IMPLEMENTATIONS)} (default: "
+                        "%(default)s = PyTorch's default: foreach on cuda, for-loop on cpu)")
+
+
+def _budget_options(p):
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--gpu", metavar="NAME", help="a GPU of the catalog (symmem gpus)")
+    where.add_argument("--budget", metavar="SIZE", help="bytes, or a size: 80GiB, 80GB (10^9 bytes)")
+    p.add_argument("--reserve", metavar="SIZE", default=DEFAULT_RESERVE,
+                   help="set aside for the CUDA context, workspaces and fragmentation: bytes, a "
+                        "size (2GiB) or a percentage of the budget (10%%); 0 turns it off "
+                        "(default: %(default)s)")
+    p.add_argument("--format", default="table", choices=("table", "json"),
+                   help="table (for people) or json (for scripts) (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="symmem",
@@ -77,31 +122,53 @@ def build_parser() -> argparse.ArgumentParser:
         description="Derive the memory of one training step (forward, backward, optimizer\n"
                     "step) as formulas, and evaluate them at --batch and --seq.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = est.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="NAME", help=f"a preset: {', '.join(models.PRESETS)}")
-    src.add_argument("--config", metavar="PATH",
-                     help="a local Hugging Face config.json, or the folder holding one "
-                          "(nothing is downloaded)")
+    _model_options(est)
     est.add_argument("--batch", type=positive_int, required=True, metavar="B",
                      help="micro-batch size b (sequences per step on one device)")
     est.add_argument("--seq", type=positive_int, required=True, metavar="S",
                      help="sequence length s (tokens per sequence)")
-    # Names are checked by Policy (exit 1, with a "did you mean" hint), not by argparse choices.
-    est.add_argument("--precision", metavar="NAME", default="fp32",
-                     help=f"{' | '.join(PRECISIONS)} (default: %(default)s)")
-    est.add_argument("--optimizer", metavar="NAME", default="adamw",
-                     help=f"{' | '.join(OPTIMIZERS)} (default: %(default)s)")
-    est.add_argument("--device", metavar="NAME", default="cuda", help=f"{' | '.join(DEVICES)} (default: %(default)s)")
-    est.add_argument("--implementation", metavar="NAME", default="auto",
-                     help=f"optimizer implementation: {' | '.join(IMPLEMENTATIONS)} (default: "
-                          "%(default)s = PyTorch's default: foreach on cuda, for-loop on cpu)")
     est.add_argument("--format", default="table", choices=FORMATS,
                      help="table (for people), json (for scripts), latex (default: %(default)s)")
     est.set_defaults(func=cmd_estimate)
 
+    mb = sub.add_parser(
+        "max-batch", help="the largest micro-batch that fits a GPU or a budget",
+        description="The largest micro-batch b whose training-step peak fits the budget\n"
+                    "minus the reserve, with its proof, the boundary formula and the\n"
+                    "breakdown at the answer.",
+        epilog=SOLVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_options(mb)
+    mb.add_argument("--seq", type=positive_int, required=True, metavar="S",
+                    help="sequence length s (tokens per sequence)")
+    _budget_options(mb)
+    mb.set_defaults(func=cmd_max_batch)
+
+    sv = sub.add_parser(
+        "solve", help="the largest (or smallest) value of any symbol that fits",
+        description="The largest value of a symbol memory grows with (--max: b, s, L, h)\n"
+                    "or the smallest of one it falls with (--min), every other symbol fixed.",
+        epilog=SOLVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_options(sv)
+    sv.add_argument("--for", dest="symbol", required=True, metavar="SYMBOL",
+                    help="the symbol to solve for (b, s, L, h, ...)")
+    way = sv.add_mutually_exclusive_group()
+    way.add_argument("--max", dest="direction", action="store_const", const="max",
+                     help="the largest value that fits (the default)")
+    way.add_argument("--min", dest="direction", action="store_const", const="min",
+                     help="the smallest value that fits")
+    sv.add_argument("--batch", type=positive_int, metavar="B", help="fix b")
+    sv.add_argument("--seq", type=positive_int, metavar="S", help="fix s")
+    sv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="fix any other symbol, e.g. --set L=48 (repeatable)")
+    _budget_options(sv)
+    sv.set_defaults(func=cmd_solve, direction="max")
+
     lst = sub.add_parser("models", help="list the preset models",
                          description="List the preset models --model accepts.")
     lst.set_defaults(func=cmd_models)
+    gp = sub.add_parser("gpus", help="list the GPU catalog",
+                        description="List the GPUs --gpu accepts, with the capacity each reports.")
+    gp.set_defaults(func=cmd_gpus)
     return parser
 
 
@@ -121,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
 def _preset_estimate(name: str, policy: Policy):
     """Derivations of presets are reused when ``main`` runs several times in one process."""
     return estimate(models.preset(name), policy)
+
+
+def _policy(args) -> Policy:
+    return Policy(precision=args.precision, optimizer=args.optimizer, device=args.device,
+                  implementation=args.implementation)
 
 
 def _load(args, policy: Policy):
@@ -176,8 +248,7 @@ def _report(args, policy: Policy) -> dict:
 
 
 def cmd_estimate(args) -> int:
-    policy = Policy(precision=args.precision, optimizer=args.optimizer, device=args.device,
-                    implementation=args.implementation)
+    policy = _policy(args)
     r = _report(args, policy)
     if args.format == "json":
         print(json.dumps(r["json"], indent=2))
@@ -254,6 +325,88 @@ def render_latex(args, policy: Policy, r: dict) -> str:
         out.append(rf"{head}& {tex(canonical(p.total))}{end}  % {p.where}")
     out.append(r"\end{aligned}")
     return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- solve
+
+def _fixed(args) -> dict:
+    fixed = {}
+    if getattr(args, "batch", None) is not None:
+        fixed["b"] = args.batch
+    if getattr(args, "seq", None) is not None:
+        fixed["s"] = args.seq
+    for item in getattr(args, "set", []):
+        name, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError("--set", item, "NAME=VALUE with a positive integer value, e.g. L=48")
+        fixed[name.strip()] = int(value)
+    return fixed
+
+
+def _solution_json(sol, bud, est) -> dict:
+    names = latex_names()
+    key = "max_batch" if sol.symbol == "b" and sol.direction == "max" else "value"
+    return {
+        "symmem_version": __version__,
+        "model": est.graph.name, "policy": est.policy.describe(),
+        "symbol": sol.symbol, "direction": sol.direction, "fixed": sol.fixed,
+        key: sol.value,
+        "budget": bud.label,
+        "budget_bytes": bud.total, "reserve_bytes": bud.reserve, "usable_bytes": bud.usable,
+        "bytes_at_max": sol.at_value.bytes,
+        "bytes_past_max": sol.past_value.bytes if sol.past_value is not None else None,
+        "peak_where_at_max": sol.at_value.peak_point.where,
+        "boundary": None if sol.boundary is None else {
+            "formula": str(sol.boundary), "latex": sp.latex(sol.boundary, symbol_names=names),
+            "with_numbers": str(sol.boundary_numeric)},
+        "binding": {"where": sol.binding.where, "phase": sol.binding.phase,
+                    "node": sol.binding.node, "formula": str(canonical(sol.binding.total))},
+        "limited_by_model": sol.limit,
+    }
+
+
+def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
+    from .errors import Infeasible
+    from .solve import solve
+    policy = _policy(args)
+    est = _load(args, policy)
+    bud = make_budget(gpu=args.gpu, bytes=args.budget, reserve=args.reserve)
+    try:
+        sol = solve(est, symbol, bud.total, reserve=bud.reserve, direction=direction, **fixed)
+    except Infeasible as e:
+        if args.format == "json":
+            print(json.dumps({"symbol": symbol, "direction": direction, "fixed": fixed,
+                              ("max_batch" if symbol == "b" and direction == "max" else "value"): None,
+                              "budget": bud.label, "budget_bytes": bud.total,
+                              "reserve_bytes": bud.reserve, "usable_bytes": bud.usable,
+                              "needed_bytes": e.needed, "error": str(e).splitlines()[0]}, indent=2))
+        raise
+    if args.format == "json":
+        print(json.dumps(_solution_json(sol, bud, est), indent=2))
+        return 0
+    out = [f"symmem {args.command}: {est.graph.name}; {', '.join(f'{k} = {v:,}' for k, v in fixed.items())}",
+           textwrap.fill(f"policy: {policy.describe()}", WIDTH, subsequent_indent="  "),
+           f"budget: {bud.label}", "",
+           str(sol), "", f"breakdown at {symbol} = {sol.value:,}:", sol.at_value.table()]
+    if sol.boundary_numeric is not None:
+        out.insert(-3, f"  with this model's numbers: {symbol} = {sol.boundary_numeric}")
+    print("\n".join(out))
+    return 0
+
+
+def cmd_max_batch(args) -> int:
+    return _run_solve(args, "b", "max", _fixed(args))
+
+
+def cmd_solve(args) -> int:
+    return _run_solve(args, args.symbol, args.direction, _fixed(args))
+
+
+def cmd_gpus(args) -> int:
+    print(f"{'name':<12}{'bytes':>18}{'GiB':>9}  marketing")
+    for g in CATALOG.values():
+        print(f"{g.name:<12}{g.memory:>18,}{g.memory / 2**30:>9.2f}  {g.marketing}")
+    return 0
 
 
 # --------------------------------------------------------------------------- models

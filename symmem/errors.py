@@ -28,10 +28,21 @@ class UnknownName(SymmemError):
 
     def __init__(self, kind: str, name, known: tuple[str, ...]):
         self.kind, self.name, self.known = kind, name, tuple(known)
-        close = [k for k in self.known if str(name) and k.startswith(str(name))] or \
-            difflib.get_close_matches(str(name), self.known, n=1)
+        close = _closest(str(name), self.known)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         super().__init__(f"unknown {kind} {name!r}.{hint} Known: {', '.join(self.known)}.")
+
+
+def _closest(name: str, known: tuple[str, ...]) -> list[str]:
+    """Known names that ``name`` starts, else the closest by difflib; case, spaces, ``-``
+    and ``_`` ignored."""
+    def key(text):
+        return "".join(ch for ch in text.lower() if ch.isalnum())
+    keys = {key(k): k for k in known}
+    if not key(name):
+        return []
+    return [keys[k] for k in keys if k.startswith(key(name))] or \
+        [keys[k] for k in difflib.get_close_matches(key(name), list(keys), n=1)]
 
 
 class ShapeError(SymmemError):

@@ -21,7 +21,6 @@ expression and :class:`fractions.Fraction` (never ``eval`` or ``sympify``), so
 """
 from __future__ import annotations
 
-import difflib
 import math
 import numbers
 import re
@@ -243,17 +242,7 @@ def _key(name: str) -> str:
 
 
 def _unknown_gpu(name) -> UnknownName:
-    known = tuple(CATALOG)
-    err = UnknownName("GPU", name, known)
-    if "Did you mean" not in str(err) and isinstance(name, str) and _key(name):
-        # UnknownName matches case-sensitively; match again ignoring case and separators.
-        keys = {_key(k): k for k in known}
-        close = [keys[k] for k in keys if k.startswith(_key(name))] or \
-            [keys[k] for k in difflib.get_close_matches(_key(name), list(keys), n=1)]
-        if close:
-            err.args = (f"unknown GPU {name!r}. Did you mean {close[0]!r}? "
-                        f"Known: {', '.join(known)}.",)
-    return err
+    return UnknownName("GPU", name, tuple(CATALOG))
 
 
 def gpu(name) -> GPU:
@@ -422,7 +411,7 @@ def budget(gpu=None, bytes=None, reserve=DEFAULT_RESERVE) -> Budget:
         total, source = device.memory, f"{device.name} ({format_bytes(device.memory)})"
     else:
         device = None
-        total = parse_bytes(bytes, "bytes")
+        total = parse_bytes(bytes, "budget")
         source = f"{format_bytes(total)} budget"
     amount = reserve_bytes(reserve, total)
     return Budget(total=total, reserve=amount, label=_label(source, reserve, amount), gpu=device)

@@ -229,3 +229,65 @@ def test_console_script(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("symmem: error: unknown model 'gpt-3'") and "Traceback" not in bad.stderr
+
+
+# ----------------------------------------------------------------------------- max-batch / solve
+
+def test_max_batch_json(capsys):
+    j = run_json(capsys, "max-batch", "--model", "gpt2", "--seq", 1024, "--precision", "bf16-mixed",
+                 "--budget", "80GiB", "--reserve", "10%")
+    # 80 GiB = 85,899,345,920 bytes; 10% = 8,589,934,592 reserved; usable 77,309,411,328
+    assert (j["budget_bytes"], j["reserve_bytes"], j["usable_bytes"]) == (85_899_345_920, 8_589_934_592,
+                                                                          77_309_411_328)
+    est = symmem.estimate(symmem.models.preset("gpt2"), symmem.Policy("bf16-mixed", "adamw"))
+    b = j["max_batch"]
+    assert j["bytes_at_max"] == est.at(b=b, s=1024).bytes
+    assert j["bytes_at_max"]["peak"] <= j["usable_bytes"] < j["bytes_past_max"]["peak"]
+    assert sp.sympify(j["boundary"]["formula"], locals={n: i.symbol for n, i in symmem.symbols.TABLE.items()}) \
+        .xreplace({**est.bindings, symmem.symbols.s: 1024, symmem.symbols.M: j["budget_bytes"],
+                   symmem.symbols.R: j["reserve_bytes"]}) == b
+    assert j["binding"]["where"] == "backward log_softmax"
+    assert "\\left\\lfloor" in j["boundary"]["latex"]
+
+
+def test_max_batch_table_with_gpu(capsys):
+    code, out, err = run(capsys, "max-batch", "--model", "gpt2", "--seq", 1024, "--gpu", "h100-80gb")
+    assert code == 0, err
+    assert "budget: H100-80GB" in out and "max b = " in out and "boundary: b = floor(" in out
+
+
+def test_max_batch_infeasible(capsys):
+    code, out, err = run(capsys, "max-batch", "--model", "gpt2-xl", "--seq", 1024, "--budget", "4GiB",
+                         "--format", "json")
+    assert code == 1 and "Traceback" not in err
+    j = json.loads(out)
+    assert j["max_batch"] is None and j["needed_bytes"] > j["usable_bytes"]
+    assert err.startswith("symmem: error: no value of b fits: at b = 1 the peak is")
+
+
+def test_solve_for_sequence_and_layers(capsys):
+    j = run_json(capsys, "solve", "--model", "gpt2", "--for", "s", "--max", "--batch", 8,
+                 "--precision", "bf16-mixed", "--budget", "16GiB", "--reserve", "0")
+    # the library's answer (tests/test_solve.py proves it: the peak at 873 fits 16 GiB, at 874 not)
+    assert j["value"] == 873 and j["symbol"] == "s" and j["fixed"] == {"b": 8}
+    j = run_json(capsys, "solve", "--model", "gpt2", "--for", "L", "--batch", 8, "--seq", 1024,
+                 "--budget", "80GiB", "--reserve", "0")
+    assert j["bytes_at_max"]["peak"] <= j["usable_bytes"] < j["bytes_past_max"]["peak"]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["max-batch", "--model", "gpt2", "--seq", 8, "--gpu", "A1000"], ["unknown GPU 'A1000'"]),
+    (["max-batch", "--model", "gpt2", "--seq", 8, "--budget", "80 GiBs"], ["budget = '80 GiBs' is not valid: expected a size like 80GiB"]),
+    (["solve", "--model", "gpt2", "--for", "q", "--batch", 1, "--budget", "8GiB"], ["unknown symbol 'q'"]),
+    (["solve", "--model", "gpt2", "--for", "L", "--set", "L5", "--budget", "8GiB"], ["--set = 'L5'"]),
+])
+def test_solve_errors(capsys, argv, words):
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and "Traceback" not in err
+    for w in words:
+        assert w in err
+
+
+def test_gpus_lists_the_catalog(capsys):
+    code, out, err = run(capsys, "gpus")
+    assert code == 0 and "H100-80GB" in out and "MI300X" in out

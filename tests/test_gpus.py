@@ -344,7 +344,7 @@ def test_budget_needs_exactly_one_source():
 
 def test_budget_passes_on_errors():
     with pytest.raises(ConfigError, match=exact(
-            f"bytes = '80 GiBs' is not valid: expected a size like {SIZE}.")):
+            f"budget = '80 GiBs' is not valid: expected a size like {SIZE}.")):
         budget(bytes="80 GiBs")
     with pytest.raises(UnknownName, match="Did you mean 'H100-80GB'"):
         budget(gpu="H100")
