@@ -169,8 +169,8 @@ def walk(graph: Graph, policy: Policy) -> Walk:
     grads: dict[str, str] = {}
     live.add(f"g:{loss}", prep.info[loss].nbytes, "transient")
     grads[loss] = f"g:{loss}"
-    seen_params: set[str] = set()
-    _backward(graph.items, prep, live, w, grads, seen_params, policy)
+    refs = {f"g:{loss}": 1}           # gradient storage -> values whose gradient it still is
+    _backward(graph.items, prep, live, w, grads, refs, set(), policy)
     _optimizer(graph, policy, live, w)
     return w
 
@@ -259,13 +259,10 @@ def _add_last_iteration(w: Walk, first: int, start: tuple, end: tuple, n, labels
         w.points.append(Point(p.phase, p.node, last, labels[1]))
 
 
-def _backward(items, prep: _Prepared, live: Live, w: Walk, grads: dict, seen: set, policy,
-              label="", remap=None):
+def _backward(items, prep: _Prepared, live: Live, w: Walk, grads: dict, refs: dict, seen: set,
+              policy, label="", remap=None):
     from .symbols import B_g
     remap = remap or {}
-    refs: dict[str, int] = {}
-    for key in grads.values():
-        refs[key] = refs.get(key, 0) + 1
 
     def hand(value, key):
         grads[value] = key
@@ -273,7 +270,7 @@ def _backward(items, prep: _Prepared, live: Live, w: Walk, grads: dict, seen: se
 
     for item in reversed(items):
         if isinstance(item, Repeat):
-            _backward_repeat(item, prep, live, w, grads, seen, policy)
+            _backward_repeat(item, prep, live, w, grads, refs, seen, policy)
             continue
         g = grads.get(item.name)
         if g is None:
@@ -308,7 +305,7 @@ def _backward(items, prep: _Prepared, live: Live, w: Walk, grads: dict, seen: se
                 live.release(remap.get(key, key))
 
 
-def _backward_repeat(rep: Repeat, prep: _Prepared, live: Live, w: Walk, grads, seen, policy):
+def _backward_repeat(rep: Repeat, prep: _Prepared, live: Live, w: Walk, grads, refs, seen, policy):
     n = rep.count
     grads[rep.output] = grads.pop(rep.name)
     carried_st, out_st = prep.storage[rep.carried], prep.storage[rep.output]
@@ -321,7 +318,7 @@ def _backward_repeat(rep: Repeat, prep: _Prepared, live: Live, w: Walk, grads, s
     body_params = {p for p in rep.body._params}
     start = live.parts()
     first = len(w.points)
-    _backward(rep.body.items, prep, live, w, grads, seen, policy, label="last",
+    _backward(rep.body.items, prep, live, w, grads, refs, seen, policy, label="last",
               remap={carried_st: out_st})
     _add_last_iteration(w, first, start, live.parts(), n, labels=("last", "first"))
     for key in body_keys:

@@ -76,6 +76,31 @@ class Solution:
         tex = sp.latex(self.boundary, symbol_names=latex_names())
         return f"${sp.latex(lookup(self.symbol))}_{{\\{self.direction}}} = {tex} = {self.value}$"
 
+    def _repr_html_(self) -> str:
+        from .engine import _esc, _html_table, _mathml, _values_text
+        x, at, past = self.symbol, self.at_value, self.past_value
+        rows = [[f"peak at {_esc(x)} = {self.value:,}",
+                 f"{at.peak:,} bytes ({_esc(format_bytes(at.peak))}) &le; usable {self.usable:,} "
+                 f"({_esc(format_bytes(self.total))} &minus; reserve {_esc(format_bytes(self.reserve))})"]]
+        if past is not None:
+            step = self.value + (1 if self.direction == "max" else -1)
+            rows.append([f"peak at {_esc(x)} = {step:,}",
+                         f"{past.peak:,} bytes ({_esc(format_bytes(past.peak))}) &gt; usable"])
+        if self.limit:
+            rows.append(["limited by the model", _esc(self.limit)])
+        else:
+            rows.append(["binding", _esc(self.binding.where)])
+        for name, form in (("boundary", self.boundary), ("with the numbers", self.boundary_numeric)):
+            if form is not None:
+                rows.append([name, _mathml(sp.Eq(lookup(x), form, evaluate=False))])
+        if self.fixed:
+            rows.append(["fixed", _esc(_values_text(self.fixed))])
+        return (f"<div><p><b>{_esc(self.direction)} {_esc(x)} = {self.value:,}</b></p>"
+                + _html_table(["", ""], rows) + "</div>")
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(f"Solution({self.symbol} = {self.value})" if cycle else str(self))
+
 
 def _poly_eval(coeffs: list[Fraction], x: int) -> Fraction:
     acc = Fraction(0)
@@ -206,6 +231,9 @@ def _search_min(peak: _Peak, usable: int, est, symbol, fixed) -> int:
 
 def _infeasible(est, symbol, value, usable, fixed, hint):
     ev = est.at(**fixed, **{symbol: value})
+    role = max(ev.peak_parts, key=ev.peak_parts.get)
+    share = 100 * ev.peak_parts[role] / ev.peak
+    hint += f"; the largest part of that peak is {role} ({share:.0f}%)"
     raise Infeasible(symbol, value, ev.peak, usable, ev.peak_point.where, ev.table(), hint)
 
 
