@@ -27,6 +27,7 @@ import sympy as sp
 
 from .graph import Graph, Node, Repeat
 from .policy import Policy
+from .errors import ShapeError
 from .rules import F32, Footprint, TensorInfo, get_rule
 
 __all__ = ["Point", "Walk", "walk", "ROLES"]
@@ -114,6 +115,12 @@ class _Prepared:
         for item in items:
             if isinstance(item, Repeat):
                 self._prepare(item.body.items)
+                x, y = self.info[item.carried], self.info[item.output]
+                if not self.ctx.same(x.dtype, y.dtype):
+                    raise ShapeError(item.name, f"{self._dtype_name(y.dtype)} out of the block",
+                                     f"the dtype it receives ({self._dtype_name(x.dtype)}) under this "
+                                     "policy, so that every iteration is alike. Unroll the graph "
+                                     "(graph.unrolled()) to estimate it as it is")
                 self.info[item.name] = self.info[item.output]
                 self.storage[item.name] = self.storage[item.output]
                 continue
@@ -129,6 +136,9 @@ class _Prepared:
                                        else item.name)
             for sv in fp.saved:
                 self.saved_by.setdefault(self.saved_key(item, sv), []).append(item.name)
+
+    def _dtype_name(self, d) -> str:
+        return self.ctx.act_name if d == self.ctx.act else d.name
 
     def saved_key(self, node: Node, sv) -> str:
         if sv.ref.startswith("in"):
@@ -194,7 +204,8 @@ def _model_states(graph, policy, live: Live, w: Walk):
             live.add(f"step:{p.name}", 4, "optimizer", m)
 
 
-def _forward(items, prep: _Prepared, live: Live, w: Walk, saved_keys, outputs, keep, label=""):
+def _forward(items, prep: _Prepared, live: Live, w: Walk, saved_keys, outputs, keep, label="",
+             watch=None):
     last = _uses(items)
     holders: dict[str, int] = {}
     for v, st in prep.storage.items():
@@ -225,6 +236,8 @@ def _forward(items, prep: _Prepared, live: Live, w: Walk, saved_keys, outputs, k
             if sv.ref == "new" or (sv.ref.startswith("cast:") and key not in live.entries):
                 live.add(key, sv.nbytes, "activations")
         w.points.append(Point("forward", item.name, live.parts({"transient": fp.fwd_temp}), label))
+        if watch is not None:             # is the watched storage alive at this point?
+            watch[1].append(watch[0] in live.entries)
         for v in set(item.inputs):
             if last.get(v) == idx:
                 maybe_free(v, idx)
@@ -233,29 +246,52 @@ def _forward(items, prep: _Prepared, live: Live, w: Walk, saved_keys, outputs, k
 
 
 def _forward_repeat(rep: Repeat, prep, live: Live, w: Walk, saved_keys, outputs, keep):
+    """Walk the body once (the first iteration) and derive the last from it.
+
+    Iteration i >= 1 reads the previous iteration's output, which stays alive when autograd
+    saved it ("kept"); the first reads the outer value x, which may be freed or kept
+    independently. When both are kept or both freed, every iteration leaves the same bytes
+    D and the last iteration is the first plus (n-1) D. When x is freed but later inputs are
+    kept, each later iteration leaves D + |x| and holds |x| less at the points where the
+    first still held x; that is exact too. (In the converse case, x kept by the outer graph
+    while later inputs are freed, the last iteration is bounded by the first plus (n-1) D.)"""
     n = rep.count
     before = set(live.entries)
     start = live.parts()
     first = len(w.points)
-    carried_st = prep.storage[rep.carried]
+    carried_st, out_st = prep.storage[rep.carried], prep.storage[rep.output]
+    x_entry = list(live.entries.get(carried_st, (0, 0, "transient")))
+    x_live: list[bool] = []
     _forward(rep.body.items, prep, live, w, saved_keys, outputs,
-             keep | {prep.storage[e] for e in rep.externals}, label="first")
-    _add_last_iteration(w, first, start, live.parts(), n)
-    out_st = prep.storage[rep.output]
+             keep | {prep.storage[e] for e in rep.externals}, label="first",
+             watch=(carried_st, x_live))
+    steady_kept = out_st in saved_keys
+    x_kept = carried_st in live.entries
+    adjust = []
+    if steady_kept and not x_kept:
+        x_bytes, x_role = sp.expand(x_entry[0] * x_entry[1]), x_entry[2]
+        per_iter = {x_role: x_bytes}
+        adjust = [{x_role: -x_bytes} if alive else {} for alive in x_live]
+    else:
+        per_iter = {}
+    _add_last_iteration(w, first, start, live.parts(), n, extra=per_iter, adjust=adjust)
     for key in set(live.entries) - before:
-        if key != out_st or carried_st in live.entries:
+        if key != out_st or steady_kept:
             live.entries[key][1] = live.entries[key][1] * n
 
 
-def _add_last_iteration(w: Walk, first: int, start: tuple, end: tuple, n, labels=("first", "last")):
-    """Points of the first iteration are at hand; those of the last add (n-1) x the
-    bytes one iteration leaves behind, role by role."""
-    delta = {r: sp.expand(e - s) for (r, e), (_, s) in zip(end, start)}
+def _add_last_iteration(w: Walk, first: int, start: tuple, end: tuple, n, labels=("first", "last"),
+                        extra: dict | None = None, adjust: list | None = None):
+    """Points of the walked iteration are at hand; those of the other end of the repeat
+    add (n-1) x the bytes one iteration leaves behind, role by role (``extra``: what later
+    iterations leave beyond the walked one; ``adjust``: a per-point correction)."""
+    delta = {r: sp.expand(e - s + (extra or {}).get(r, 0)) for (r, e), (_, s) in zip(end, start)}
     body = w.points[first:]
     del w.points[first:]
-    for p in body:
+    for j, p in enumerate(body):
         w.points.append(p)
-        last = tuple((r, sp.expand(e + (n - 1) * delta[r])) for r, e in p.parts)
+        fix = adjust[j] if adjust else {}
+        last = tuple((r, sp.expand(e + (n - 1) * delta[r] + fix.get(r, 0))) for r, e in p.parts)
         w.points.append(Point(p.phase, p.node, last, labels[1]))
 
 

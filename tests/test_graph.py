@@ -14,7 +14,10 @@ def tiny(tied=True):
     x = g.add("embedding", ids, params=(emb,), name="embed")
 
     def body(gr, y):
+        # scale saves no tensor of y's size: the block's input is freed in the first
+        # iteration, while later inputs (relu outputs) are saved: iterations differ, exactly
         w = gr.param("w", (h, h))
+        y = gr.add("scale", y, name="layer/scale")
         return gr.add("relu", gr.add("linear", y, params=(w,), name="layer/lin"), name="layer/relu")
 
     x = g.repeat(L, body, x, name="layer")
@@ -38,7 +41,7 @@ def test_listing_format():
     assert lines[0] == "ids  input  ()  (b, s)"
     assert lines[1] == "embed  embedding  (ids)  (b, s, h)  [emb]"
     assert lines[2] == "layer  repeat x L  (embed)  (b, s, h)"
-    assert lines[4] == "    layer/lin  linear  (layer/in)  (b, s, h)  [w]"
+    assert lines[5] == "    layer/lin  linear  (layer/scale)  (b, s, h)  [w]"
 
 
 def test_networkx_view():
@@ -70,12 +73,23 @@ def test_unrolled_needs_a_number():
     assert [n.name for n in g.unrolled().items if n.op == "linear"] == ["layer.0/lin", "layer.1/lin", "head"]
 
 
-def test_tiny_repeat_equals_unrolled():
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("policy", [sm.Policy("fp32", "adamw", "cpu"), sm.Policy("bf16-master", "sgd")],
+                         ids=["fp32-cpu", "bf16-master"])
+def test_tiny_repeat_equals_unrolled(policy, n):
     g = tiny()
-    g.bindings[L] = 3
-    pol = sm.Policy("bf16-mixed", "adamw", "cpu")
-    rep, unr = sm.estimate(g, pol), sm.estimate(g.unrolled(), pol)
+    rep = sm.estimate(g, policy)
+    g.bindings[L] = n
+    unr = sm.estimate(g.unrolled(), policy)
     for name, expr in rep.components.items():
-        assert sp.expand(expr.subs(L, 3) - unr.components[name]) == 0, name
+        assert sp.expand(expr.subs(L, n) - unr.components[name]) == 0, name
     for bb, ss in [(1, 1), (3, 7), (64, 2048)]:
-        assert rep.at(b=bb, s=ss).peak == unr.at(b=bb, s=ss).peak
+        assert rep.at(b=bb, s=ss, L=n).peak == unr.at(b=bb, s=ss).peak
+
+
+def test_a_block_that_changes_its_input_dtype_is_refused():
+    """Under autocast the tiny block turns its float32 input (the embedding) into bfloat16
+    (the relu of a linear): its first iteration differs from the others."""
+    with pytest.raises(ShapeError, match="layer.*got bfloat16 out of the block, expected the dtype it "
+                                         r"receives \(float32\).*graph.unrolled\(\)"):
+        sm.estimate(tiny(), sm.Policy("bf16-mixed", "adamw"))
