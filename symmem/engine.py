@@ -96,6 +96,34 @@ def _prune(points: list[Point]) -> list[Point]:
     return [points[i] for i in keep]
 
 
+# ----- display helpers (Jupyter): HTML tables and MathML -----------------------------
+def _esc(x) -> str:
+    import html
+    return html.escape(str(x))
+
+
+def _mathml(expr) -> str:
+    """``expr`` as presentation MathML, wrapped in ``<math>``."""
+    body = sp.mathml(sp.sympify(expr), printer="presentation")
+    return f'<math xmlns="http://www.w3.org/1998/Math/MathML">{body}</math>'
+
+
+def _html_table(header, rows, right=()) -> str:
+    """An HTML table; cells are already HTML (escape user strings first). Columns whose
+    index is in ``right`` are right-aligned (numbers); no header row when ``header`` is empty."""
+    def cell(tag, i, c):
+        style = ' style="text-align:right"' if i in right else ' style="text-align:left"'
+        return f"<{tag}{style}>{c}</{tag}>"
+    head = "".join(cell("th", i, _esc(h)) for i, h in enumerate(header or ()))
+    head = f"<thead><tr>{head}</tr></thead>" if head else ""
+    body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(r)) + "</tr>" for r in rows)
+    return f"<table>{head}<tbody>{body}</tbody></table>"
+
+
+def _values_text(values: dict) -> str:
+    return ", ".join(f"{k} = {v}" for k, v in values.items())
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """Exact bytes at one configuration: components, the peak, and where it is."""
@@ -120,6 +148,28 @@ class Evaluation:
 
     def __str__(self) -> str:
         return self.table()
+
+    def _repr_latex_(self) -> str:
+        from .symbols import latex_names
+        names = latex_names()
+        at = ", ".join(f"{names.get(symbol(k) if isinstance(k, str) else k, k)} = {v}"
+                       for k, v in self.values.items())
+        num, unit = format_bytes(self.peak).split()
+        exact = f"{self.peak:,}".replace(",", "{,}")
+        return (f"$\\mathrm{{peak}}({at}) = {exact}\\ \\mathrm{{bytes}} "
+                f"\\approx {num.replace(',', '{,}')}\\ \\mathrm{{{unit}}}$")
+
+    def _repr_html_(self) -> str:
+        rows = [[_esc(r), f"{v:,}", f"{v / 2**30:,.2f}", f"{100 * v / self.peak:.1f}%"]
+                for r, v in self.peak_parts.items() if v]
+        rows.append(["<b>peak</b>", f"<b>{self.peak:,}</b>", f"<b>{self.peak / 2**30:,.2f}</b>",
+                     "<b>100.0%</b>"])
+        return (f"<div><p><b>peak</b> at {_esc(_values_text(self.values))}: {self.peak:,} bytes "
+                f"({_esc(format_bytes(self.peak))}), during {_esc(self.peak_point.where)}</p>"
+                + _html_table(["role", "bytes", "GiB", "% of peak"], rows, right=(1, 2, 3)) + "</div>")
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text("Evaluation(...)" if cycle else self.table())
 
 
 class Estimate:
@@ -223,6 +273,28 @@ class Estimate:
     def _repr_latex_(self) -> str:
         from .symbols import latex_names
         return "$" + sp.latex(self.peak, symbol_names=latex_names()) + "$"
+
+    def _repr_html_(self) -> str:
+        rows = [[_esc(k), _mathml(v)] for k, v in self.components.items()]
+        n = len(self.points)
+        rows.append(["<b>peak</b>", f"the largest of {n} candidate{'s' * (n != 1)} (below)"])
+        binds = ", ".join(f"{k} = {v}" for k, v in self.bindings.items())
+        where = "".join(f"<li>{_esc(p.where)}</li>" for p in self.points)
+        return (f"<div><p><b>{_esc(self.graph.name)}</b>: {_esc(self.policy.describe())}</p>"
+                f"<p>bindings: {_esc(binds)}</p>"
+                + _html_table(["component", "bytes"], rows)
+                + f"<details><summary>peak: {n} candidate moment{'s' * (n != 1)} of the step "
+                f"(phase, node)</summary><ol>{where}</ol></details></div>")
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        if cycle:
+            p.text(f"Estimate({self.graph.name})")
+            return
+        lines = [f"Estimate: {self.graph.name}", f"policy: {self.policy.describe()}"]
+        lines += [f"  {k} = {v}" for k, v in self.components.items()]
+        n = len(self.points)
+        lines.append(f"  peak = Max of {n} candidate{'s' * (n != 1)} (.peak, .points)")
+        p.text("\n".join(lines))
 
 
 def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:

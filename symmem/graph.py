@@ -13,6 +13,12 @@ Shapes are inferred when a node is added, from the op's rule in
 Listing format (``str(graph)``)::
 
     name  op  (input, …)  shape  [params]
+
+one line per node; a :class:`Repeat` is a line ``name  repeat x count  (carried)  shape``
+followed by its body, indented four spaces. ``graph.describe(policy)`` adds, after a
+node that saves tensors for backward, what it saves (from the rules, under ``policy``)::
+
+    name  op  (input, …)  shape  [params]  saves: label[ = value] (numel x bytes), …
 """
 from __future__ import annotations
 
@@ -248,6 +254,100 @@ class Graph:
                 ps = f"  [{', '.join(p.name for p in item.params)}]" if item.params else ""
                 yield f"{indent}{item.name}  {item.op}  ({', '.join(item.inputs)})  {_fmt(item.shape)}{ps}"
 
+    # ----- display ----------------------------------------------------------------
+    def describe(self, policy=None) -> str:
+        """The listing of ``str(graph)`` with, after each node that saves tensors for
+        backward, what it saves under ``policy`` (default ``Policy()``), from the rules::
+
+            name  op  (input, …)  shape  [params]  saves: label[ = value] (numel x bytes), …
+
+        ``= value`` names the graph value whose storage the saved tensor is (it costs no
+        new memory); ``bytes`` is per element (``B_a`` until a precision binds it).
+        A Repeat's body is listed once, indented, under ``name  repeat x count``."""
+        saved = self._saved(policy)
+        out = []
+        for line, (_, item) in zip(self._lines(""), self._walk_items(0)):
+            sv = saved.get(item.name) if isinstance(item, Node) else None
+            out.append(line + ("  saves: " + ", ".join(_fmt_saved(*t) for t in sv) if sv else ""))
+        return "\n".join(out)
+
+    def _walk_items(self, depth: int):
+        """(depth, item) in listing order (the order of ``_lines``)."""
+        for item in self.items:
+            yield depth, item
+            if isinstance(item, Repeat):
+                yield from item.body._walk_items(depth + 1)
+
+    def _saved(self, policy=None) -> dict:
+        """node name -> [(label, value or None, numel, bytes per element), …]: what each
+        node's rule saves for backward under ``policy``, with the inputs' tensor infos as
+        the schedule prepares them (a Repeat's body once, with the carried input)."""
+        from dataclasses import replace
+        from .policy import Policy
+        from .rules import get_rule
+        ctx = (policy or Policy()).ctx()
+        info, out = {}, {}
+
+        def prepare(items):
+            for item in items:
+                if isinstance(item, Repeat):
+                    prepare(item.body.items)
+                    info[item.name] = info[item.output]
+                    continue
+                fp = get_rule(item.op)(item, [info[i] for i in item.inputs], ctx)
+                if item.params and not fp.out.requires_grad:    # a parameter's output needs grad
+                    fp = replace(fp, out=replace(fp.out, requires_grad=True))
+                info[item.name] = fp.out
+                rows = []
+                for sv in fp.saved:
+                    if sv.ref.startswith("in"):
+                        v = item.inputs[int(sv.ref[2:])]
+                        rows.append((sv.label, v, info[v].numel, info[v].dtype.nbytes))
+                    elif sv.ref == "out":
+                        rows.append((sv.label, item.name, fp.out.numel, fp.out.dtype.nbytes))
+                    else:
+                        rows.append((sv.label, None, sv.numel, sv.dtype.nbytes))
+                out[item.name] = rows
+
+        root = self
+        while root.parent is not None:      # a body's inputs are defined by its parents
+            root = root.parent
+        prepare(root.items)
+        return out
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(f"Graph({self.name})" if cycle else self.describe())
+
+    def _repr_html_(self) -> str:
+        import html
+        from .policy import Policy
+        esc, policy = html.escape, Policy()
+        saved = self._saved(policy)
+        head = "".join(f"<th style='text-align:left'>{c}</th>"
+                       for c in ("name", "op", "inputs", "shape", "params", "saves for backward"))
+        rows = []
+        for depth, item in self._walk_items(0):
+            pad = f" style='text-align:left;padding-left:{0.5 + 1.5 * depth}em'"
+            if isinstance(item, Repeat):
+                cells = [f"<b>{esc(item.name)}</b>", f"repeat &times; {esc(str(item.count))}",
+                         esc(item.carried), esc(_fmt(item.shape)), "", ""]
+            else:
+                sv = "<br>".join(esc(_fmt_saved(*t)) for t in saved.get(item.name, ()))
+                cells = [esc(item.name), esc(item.op), esc(", ".join(item.inputs)), esc(_fmt(item.shape)),
+                         esc(", ".join(p.name for p in item.params)), sv]
+            rows.append(f"<tr><td{pad}>{cells[0]}</td>"
+                        + "".join(f"<td style='text-align:left'>{c}</td>" for c in cells[1:]) + "</tr>")
+        binds = ", ".join(f"{k} = {v}" for k, v in self.bindings.items())
+        return (f"<div><p><b>{esc(self.name)}</b>" + (f" ({esc(binds)})" if binds else "")
+                + f"; saved tensors under the default policy ({esc(policy.precision)}, "
+                f"{esc(policy.device)}; <code>graph.describe(policy)</code> for another)</p>"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
+
 
 def _fmt(shape: Shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def _fmt_saved(label, value, numel, nbytes) -> str:
+    """``label[ = value] (numel x bytes)``: one saved tensor in ``Graph.describe``."""
+    return f"{label}{f' = {value}' if value else ''} ({numel} x {nbytes})"

@@ -96,7 +96,7 @@ class Solution:
         if self.fixed:
             rows.append(["fixed", _esc(_values_text(self.fixed))])
         return (f"<div><p><b>{_esc(self.direction)} {_esc(x)} = {self.value:,}</b></p>"
-                + _html_table(["", ""], rows) + "</div>")
+                + _html_table(None, rows) + "</div>")
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(f"Solution({self.symbol} = {self.value})" if cycle else str(self))
