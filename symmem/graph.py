@@ -95,6 +95,7 @@ class Graph:
     requirements: tuple = ()  # ((lhs, rhs, reason), …): lhs <= rhs must hold when evaluated
     _shapes: dict = field(default_factory=dict)
     _params: dict = field(default_factory=dict)
+    _taken: set = field(default_factory=set)   # every value name, bodies included (shared)
 
     # ----- building ---------------------------------------------------------------
     def param(self, name: str, shape) -> Param:
@@ -115,7 +116,7 @@ class Graph:
         """Add ``op`` applied to ``inputs``; returns the name of the value it defines."""
         from .rules import infer_shape  # rules import graph types; import late
         name = name or f"{op}_{len(self.items)}"
-        if self._lookup_shape(name) is not None:
+        if name in self._taken:
             raise ConfigError("node name", name, "a name not used before in this graph")
         shapes = []
         for i in inputs:
@@ -130,6 +131,7 @@ class Graph:
         node = Node(node.name, op, node.inputs, node.params, node.attrs, shape)
         self.items.append(node)
         self._shapes[name] = shape
+        self._taken.add(name)
         return name
 
     def require(self, lhs, rhs, reason: str) -> None:
@@ -150,12 +152,13 @@ class Graph:
         Values of the enclosing graph that the body reads are kept alive across
         all iterations. Returns the name of the final output value (``name``).
         """
-        if self._lookup_shape(name) is not None:
+        if name in self._taken:
             raise ConfigError("repeat name", name, "a name not used before in this graph")
         count = sp.sympify(count)
         if count.is_number and not (count.is_integer and count > 0):
             raise ConfigError("repeat count", count, "a positive integer or a symbol")
-        child = Graph(name=name, parent=self)
+        child = Graph(name=name, parent=self, _taken=self._taken)
+        self._taken.update({name, f"{name}/in"})
         child._shapes[f"{name}/in"] = self._shapes[x]
         child.items.append(Node(f"{name}/in", "carry", (x,), shape=self._shapes[x]))
         y = body(child, f"{name}/in")

@@ -93,3 +93,9 @@ def test_a_block_that_changes_its_input_dtype_is_refused():
     with pytest.raises(ShapeError, match="layer.*got bfloat16 out of the block, expected the dtype it "
                                          r"receives \(float32\).*graph.unrolled\(\)"):
         sm.estimate(tiny(), sm.Policy("bf16-mixed", "adamw"))
+
+
+def test_names_are_unique_across_bodies():
+    g = tiny()
+    with pytest.raises(ConfigError, match="node name = 'layer/lin' is not valid"):
+        g.add("relu", "head", name="layer/lin")
