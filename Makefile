@@ -25,7 +25,15 @@ $(TEST_VENV)/.installed: pyproject.toml
 	$(TEST_VENV)/bin/pip install -q -e '.[torch,test]'
 	touch $@
 
+# tests/test_render.py compiles the LaTeX report with pdflatex: a minimal TeX from Debian's
+# packages (texlive-latex-base: LaTeX, amsmath, amssymb; texlive-latex-recommended: booktabs),
+# about 25 s to install. Without root the test is skipped and says why.
 test: $(TEST_VENV)/.installed
+	@command -v pdflatex >/dev/null || { if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing pdflatex (texlive-latex-base, texlive-latex-recommended) for the LaTeX report test"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends texlive-latex-base texlive-latex-recommended >/dev/null; \
+	  else echo "pdflatex is missing and installing it needs root: the LaTeX report test will be skipped"; fi; }
 	$(TEST_VENV)/bin/python -m pytest -q
 
 clean:
