@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     gp = sub.add_parser("gpus", help="list the GPU catalog",
                         description="List the GPUs --gpu accepts, with the capacity each reports.")
     gp.set_defaults(func=cmd_gpus)
+    _add_report_commands(sub)
     return parser
 
 
@@ -415,6 +416,139 @@ def cmd_models(args) -> int:
     print(f"{'name':<14}{'n_embd':>8}{'n_layer':>9}{'n_head':>8}{'n_positions':>13}{'vocab_size':>12}")
     for name, c in models.PRESETS.items():
         print(f"{name:<14}{c.n_embd:>8}{c.n_layer:>9}{c.n_head:>8}{c.n_positions:>13}{c.vocab_size:>12}")
+    return 0
+
+
+# --------------------------------------------------------------------------- report, formula
+
+REPORT_EPILOG = """\
+examples:
+  symmem report gpt2 --batch 8 --seq 1024 --precision bf16-mixed --gpu H100-80GB \\
+      --format latex -o gpt2.tex && pdflatex gpt2.tex
+  symmem report examples/gpt2-medium --batch 4 --budget 40GiB --format html -o report.html
+  symmem report path/to/config.json --format markdown > REPORT.md
+  symmem formula --model gpt2 --precision bf16-mixed --component activations --format latex
+  symmem formula --config examples/tiny-gpt2 --component peak --format sympy
+
+MODEL-OR-CONFIG is a path when a file or folder of that name exists (a Hugging Face
+config.json, or the folder holding one: the report names the model after the folder),
+else a preset name (symmem models). --format sympy prints what sympy.sympify reads back;
+--format latex prints one line that sympy's LaTeX parser reads back.
+
+exit status: 0 success; 1 an input was rejected (unknown model, component, GPU; a
+config or output file that cannot be read or written); 2 bad usage (e.g. an unknown
+--format).
+"""
+
+FORMULA_COMPONENTS = ("peak",) + COMPONENTS
+
+
+def _add_report_commands(sub) -> None:
+    """Register ``report`` and ``formula``."""
+    from .render import FORMATS as REPORT_FORMATS
+    rp = sub.add_parser(
+        "report", help="a report of the formulas and numbers: LaTeX, Markdown or HTML",
+        description="Write a report of one training step's memory: the model and policy,\n"
+                    "a glossary of the symbols, each component's formula, the peak and where\n"
+                    "it is, exact bytes at --batch and --seq, the largest micro-batch that\n"
+                    "fits --gpu or --budget, and where each term comes from.",
+        epilog=REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rp.add_argument("source", metavar="MODEL-OR-CONFIG",
+                    help=f"a preset ({', '.join(models.PRESETS)}) or the path of a config.json "
+                         "or of a folder holding one")
+    rp.add_argument("--batch", type=positive_int, default=1, metavar="B",
+                    help="micro-batch size b for the numbers (default: %(default)s)")
+    rp.add_argument("--seq", type=positive_int, metavar="S",
+                    help="sequence length s for the numbers (default: the model's maximum, s_max)")
+    rp.add_argument("--precision", metavar="NAME", default="fp32",
+                    help=f"{' | '.join(PRECISIONS)} (default: %(default)s)")
+    rp.add_argument("--optimizer", metavar="NAME", default="adamw",
+                    help=f"{' | '.join(OPTIMIZERS)} (default: %(default)s)")
+    rp.add_argument("--device", metavar="NAME", default="cuda",
+                    help=f"{' | '.join(DEVICES)} (default: %(default)s)")
+    rp.add_argument("--implementation", metavar="NAME", default="auto",
+                    help=f"optimizer implementation: {' | '.join(IMPLEMENTATIONS)} (default: "
+                         "%(default)s)")
+    where = rp.add_mutually_exclusive_group()
+    where.add_argument("--gpu", metavar="NAME",
+                       help="add the largest micro-batch that fits this GPU (symmem gpus)")
+    where.add_argument("--budget", metavar="SIZE",
+                       help="add the largest micro-batch that fits this many bytes (80GiB, 80GB)")
+    rp.add_argument("--reserve", metavar="SIZE", default=DEFAULT_RESERVE,
+                    help="set aside from --gpu or --budget: bytes, a size or a percentage "
+                         "(default: %(default)s)")
+    rp.add_argument("--format", default="markdown", choices=tuple(REPORT_FORMATS),
+                    help="latex (a standalone document for pdflatex), markdown, html (one "
+                         "self-contained page, math in MathML) (default: %(default)s)")
+    rp.add_argument("--title", metavar="TEXT", help="the report's title")
+    rp.add_argument("-o", "--output", metavar="FILE", help="write here (default: standard output)")
+    rp.set_defaults(func=cmd_report)
+
+    fm = sub.add_parser(
+        "formula", help="one formula: the peak or a component, as LaTeX or sympy",
+        description="Print one formula of the training step: the peak (a max over the\n"
+                    "moments that can be the largest) or a component, in symbols.",
+        epilog=REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_options(fm)
+    fm.add_argument("--component", default="peak", metavar="NAME",
+                    help=f"{' | '.join(FORMULA_COMPONENTS)} (default: %(default)s)")
+    fm.add_argument("--format", default="latex", choices=("latex", "sympy"),
+                    help="latex (one line, parses back) or sympy (str(expr), for "
+                         "sympy.sympify) (default: %(default)s)")
+    fm.set_defaults(func=cmd_formula)
+
+
+def _report_source(args) -> None:
+    """``args.source`` becomes ``args.config`` (an existing file or folder, or a name that
+    looks like a path) or ``args.model`` (a preset name)."""
+    from pathlib import Path
+    src = args.source
+    looks_like_path = "/" in src or "\\" in src or src.endswith(".json") or src.startswith(".")
+    if Path(src).exists():
+        args.model, args.config = None, src
+    elif looks_like_path:
+        raise ConfigError("MODEL-OR-CONFIG", src,
+                          f"a preset ({', '.join(models.PRESETS)}) or an existing config.json "
+                          "or folder holding one", "No such file or folder was found.")
+    else:
+        args.model, args.config = src, None
+
+
+def cmd_report(args) -> int:
+    from .render import render
+    _report_source(args)
+    policy = _policy(args)
+    est = _load(args, policy)
+    seq = args.seq
+    if seq is None:
+        from .symbols import s_max
+        seq = est.bindings.get(s_max)
+        if seq is None:
+            raise ConfigError("--seq", None, "a sequence length: this model has no maximum to "
+                              "default to", "Pass --seq S.")
+        seq = int(seq)
+    text = render(est, args.format, b=args.batch, s=seq, budget=args.budget, gpu=args.gpu,
+                  reserve=args.reserve, title=args.title)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as e:
+        raise ConfigError("--output", args.output, "a file that can be written",
+                          e.strerror or str(e)) from None
+    print(f"symmem: wrote {args.output} ({args.format}, {len(text.encode('utf-8')):,} bytes)",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_formula(args) -> int:
+    from .render import latex
+    policy = _policy(args)
+    est = _load(args, policy)
+    expr = est.formula(args.component)
+    print(latex(expr) if args.format == "latex" else str(expr))
     return 0
 
 

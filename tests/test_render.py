@@ -1,5 +1,6 @@
 """Reports: LaTeX that parses back to the same formulas, escaping of user text, a LaTeX
-document that compiles, and the three formats' contents.
+document that compiles, the three formats' contents, and the ``report`` and ``formula``
+commands.
 
 The parse-back tests use sympy's LaTeX parser with the ANTLR backend
 (``antlr4-python3-runtime==4.11.*``, in the ``test`` extra)."""
@@ -14,6 +15,7 @@ from sympy.core.function import AppliedUndef
 
 import symmem as sm
 from symmem import render as rd
+from symmem.cli import main
 from symmem.engine import canonical
 from symmem.gpus import budget as make_budget
 from symmem.solve import max_batch, max_seq
@@ -338,3 +340,93 @@ def test_templates_use_strict_undefined_and_tex_safe_delimiters():
 def test_unknown_format_is_a_config_error(est16):
     with pytest.raises(sm.ConfigError, match="one of latex, markdown, html"):
         rd.render(est16, "pdf", b=1, s=8)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_report_to_a_file(capsys, tmp_path, est16):
+    out = tmp_path / "gpt2.tex"
+    code, stdout, err = run(capsys, "report", "gpt2", "--batch", 8, "--seq", 1024, "--precision",
+                            "bf16-mixed", "--gpu", GPT2_BUDGET, "--format", "latex", "-o", out)
+    assert code == 0 and stdout == "" and f"wrote {out}" in err
+    assert out.read_text() == rd.render(est16, "latex", b=8, s=1024, gpu=GPT2_BUDGET)
+
+
+def test_cli_report_to_stdout_defaults(capsys):
+    code, out, err = run(capsys, "report", "gpt2", "--format", "markdown")
+    assert code == 0 and err == ""
+    assert out.startswith("# symmem report: gpt2") and "Bytes at b = 1, s = 1,024" in out
+
+
+def test_cli_report_names_the_model_after_its_folder(capsys, tmp_path):
+    """A config folder's name is user text: escaped in LaTeX and HTML, and the LaTeX compiles."""
+    folder = tmp_path / NASTY.replace("/", "")
+    folder.mkdir()
+    src = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2" / "config.json"
+    (folder / "config.json").write_text(src.read_text())
+    code, html, _ = run(capsys, "report", folder, "--format", "html", "--seq", 64)
+    assert code == 0 and "<script" not in html
+    assert "my_model 100% &amp; $x\\y &lt;script&gt;alert(1)&lt;script&gt;" in html
+    code, tex, _ = run(capsys, "report", folder / "config.json", "--format", "latex", "--seq", 64,
+                       "--budget", "1GiB")
+    assert code == 0 and r"my\_model 100\% \& \$x\textbackslash{}y \textless{}script" in tex
+    _pdflatex(tex, tmp_path)
+
+
+def test_cli_formula_latex_and_sympy(capsys, ests):
+    est = ests["bf16-mixed"]
+    code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed",
+                       "--component", "activations", "--format", "latex")
+    assert code == 0 and out == rd.latex(est.components["activations"]) + "\n"
+    assert sp.expand(_parse(out.strip()) - est.components["activations"]) == 0
+    names = {k: v.symbol for k, v in TABLE.items()}
+    code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed",
+                       "--component", "activations", "--format", "sympy")
+    assert code == 0 and sp.expand(sp.sympify(out, locals=names) - est.components["activations"]) == 0
+    code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed",
+                       "--format", "sympy")
+    # sympify reads the peak back; an evaluated Max of 36 candidates takes sympy ~8 s to
+    # compare them, so the test keeps it unevaluated
+    unevaluated = {**names, "Max": lambda *args: sp.Max(*args, evaluate=False)}
+    assert code == 0 and _same(sp.sympify(out, locals=unevaluated), est.peak)
+
+
+def test_cli_formula_from_a_config(capsys):
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
+    code, out, _ = run(capsys, "formula", "--config", tiny, "--component", "params",
+                       "--format", "sympy")
+    assert code == 0 and out.startswith("B_w*V*h + B_w*h*s_max")
+
+
+def test_cli_errors(capsys, tmp_path):
+    code, out, err = run(capsys, "formula", "--model", "gpt2", "--component", "weights")
+    assert code == 1 and out == "" and err.startswith(
+        "symmem: error: component = 'weights' is not valid: expected one of peak, params")
+    with pytest.raises(SystemExit) as e:
+        main(["report", "gpt2", "--format", "pdf"])
+    assert e.value.code == 2 and "invalid choice: 'pdf'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["formula", "--model", "gpt2", "--format", "mathml"])
+    assert e.value.code == 2
+    code, _, err = run(capsys, "report", "gtp2")
+    assert code == 1 and "Did you mean 'gpt2'?" in err
+    code, _, err = run(capsys, "report", tmp_path / "missing" / "config.json")
+    assert code == 1 and "No such file or folder was found." in err
+    code, _, err = run(capsys, "report", "gpt2", "-o", tmp_path / "no" / "dir" / "r.md")
+    assert code == 1 and "--output" in err and "Traceback" not in err
+    code, _, err = run(capsys, "report", "gpt2", "--gpu", "H100")
+    assert code == 1 and "Did you mean 'H100-80GB'?" in err
+
+
+def test_cli_help_has_examples(capsys):
+    for cmd in ("report", "formula"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert "symmem report gpt2 --batch 8" in out and "symmem formula --model gpt2" in out
