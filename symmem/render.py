@@ -7,8 +7,9 @@ Two printers extend sympy's through the printer protocol (``_print_<Class>``):
   ``L`` first, then ``b``, then ``s``, then the rest). Its *export* form (the default of
   :func:`latex`) is one line that sympy's LaTeX parser reads back into the same
   expression: a bracketed factor is written ``{\\left(…\\right)}`` so that ``L (…)`` is
-  not read as a function ``L`` applied to ``(…)``, and each ``\\max`` argument is braced so
-  that ``4, 123`` is not read as the number 4,123. Its *display* form (``display=True``)
+  not read as a function ``L`` applied to ``(…)``, each ``\\max`` argument is braced so
+  that ``4, 123`` is not read as the number 4,123, and ``d`` is ``{d}`` so that ``d h`` is
+  not read as a differential. Its *display* form (``display=True``)
   is for documents: ``\\bigl(…\\bigr)`` brackets (which may open on one line and close on
   another), long sums broken over lines of an ``aligned`` block, and ``\\max`` with one
   candidate per line.
@@ -114,6 +115,11 @@ class LatexPrinter(_SympyLatexPrinter):
             return self._print(expr)
         finally:
             self._breakable.pop()
+
+    def _print_Symbol(self, expr, style="plain"):
+        tex = super()._print_Symbol(expr, style=style)
+        # sympy's LaTeX parser reads "d h" as the differential dh: export {d} h
+        return "{d}" if tex == "d" and not self._settings["display"] else tex
 
     def _add_parens(self, s) -> str:
         if self._settings["display"]:

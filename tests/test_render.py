@@ -186,6 +186,15 @@ def test_printer_is_a_sympy_latex_printer():
     assert rd.latex(sp.Max(4 + s, 123 * L, evaluate=False)).count("{") >= 2   # braced arguments
 
 
+def test_data_parallel_degree_is_not_a_differential():
+    """ANTLR reads ``d h`` as the differential dh: the export form braces d."""
+    a, d, h, L = (TABLE[n].symbol for n in ("a", "d", "h", "L"))
+    expr = a * d * h + L * d * (h + 1) + d**2
+    tex = rd.latex(expr)
+    assert "{d}" in tex and sp.expand(_parse(tex) - expr) == 0
+    assert "{d}" not in rd.latex(expr, display=True)
+
+
 def test_mathml_is_presentation_mathml(est16):
     m = rd.mathml(est16.components["activations"], lhs="activations")
     assert m.startswith('<math display="block"><mrow><mi>activations</mi><mo>=</mo>')
