@@ -33,6 +33,14 @@ FORMATS = ("table", "json", "latex")
 COMPONENTS = ("params", "grads", "master", "optimizer", "activations")
 WIDTH = 88
 
+SWEEP_EPILOG = """\
+examples:
+  symmem sweep --model gpt2 --batch 1:64 --seq 512,1024,2048 --precision bf16-mixed > gpt2.csv
+  symmem sweep --model gpt3-175b --batch 1:1000 --seq 1:2048 --progress > big.csv
+
+exit status: 0 success; 1 an input was rejected; 2 bad usage.
+"""
+
 SOLVE_EPILOG = """\
 examples:
   symmem max-batch --model gpt2 --seq 1024 --precision bf16-mixed --gpu H100-80GB
@@ -169,6 +177,23 @@ def build_parser() -> argparse.ArgumentParser:
     gp = sub.add_parser("gpus", help="list the GPU catalog",
                         description="List the GPUs --gpu accepts, with the capacity each reports.")
     gp.set_defaults(func=cmd_gpus)
+
+    sw = sub.add_parser(
+        "sweep", help="every component and the peak over a grid of batches and sequence lengths",
+        description="Evaluate the compiled formulas at every (b, s) of a grid, exactly, and\n"
+                    "print one row per point (CSV or JSON). A progress bar shows on long sweeps.",
+        epilog=SWEEP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_options(sw)
+    sw.add_argument("--batch", required=True, metavar="VALUES",
+                    help="b values: a list (1,2,4,8) or a range FIRST:LAST[:STEP], inclusive (1:64)")
+    sw.add_argument("--seq", required=True, metavar="VALUES", help="s values, as for --batch")
+    sw.add_argument("--format", default="csv", choices=("csv", "json"), help="(default: %(default)s)")
+    bar = sw.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_const", const=True,
+                     help="always show the progress bar (on stderr)")
+    bar.add_argument("--no-progress", dest="progress", action="store_const", const=False,
+                     help="never show it (by default it shows when stderr is a terminal)")
+    sw.set_defaults(func=cmd_sweep, progress=None)
     _add_report_commands(sub)
     return parser
 
@@ -401,6 +426,72 @@ def cmd_max_batch(args) -> int:
 
 def cmd_solve(args) -> int:
     return _run_solve(args, args.symbol, args.direction, _fixed(args))
+
+
+def _values(text: str, flag: str) -> list[int]:
+    """``"1,2,8"`` or ``"1:64"`` / ``"1:64:2"`` (inclusive) -> a list of positive integers."""
+    try:
+        if ":" in text:
+            parts = [int(p) for p in text.split(":")]
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] < 1):
+                raise ValueError
+            values = list(range(parts[0], parts[1] + 1, parts[2] if len(parts) == 3 else 1))
+        else:
+            values = [int(p) for p in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(flag, text, "positive integers: a list like 1,2,8 or a range like 1:64 or 1:64:2")
+    return values
+
+
+class Progress:
+    """A one-line progress bar on stderr: ``[#####-----] 50% 500,000/1,000,000 points``."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 30):
+        self.total, self.enabled, self.width, self.done = total, enabled, width, 0
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self.enabled:
+            filled = self.width * self.done // self.total
+            sys.stderr.write(f"\r[{'#' * filled}{'-' * (self.width - filled)}] "
+                             f"{100 * self.done // self.total:3d}% {self.done:,}/{self.total:,} points")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+SWEEP_CHUNK = 100_000
+
+
+def cmd_sweep(args) -> int:
+    import numpy as np
+    est = _load(args, _policy(args))
+    bs, ss = _values(args.batch, "--batch"), _values(args.seq, "--seq")
+    est.at(b=max(bs), s=max(ss))             # the model's limits (e.g. s <= s_max), checked once
+    names = (*COMPONENTS, "peak")
+    fns = {n: est.evaluator("b", "s", component=n) for n in names}
+    b_grid, s_grid = (a.ravel() for a in np.meshgrid(bs, ss, indexing="ij"))
+    total = b_grid.size
+    enabled = args.progress if args.progress is not None else (sys.stderr.isatty() and total > SWEEP_CHUNK)
+    bar = Progress(total, enabled)
+    columns = {"b": b_grid, "s": s_grid}
+    chunks = {n: [] for n in names}
+    for start in range(0, total, SWEEP_CHUNK):
+        part = slice(start, start + SWEEP_CHUNK)
+        for n in names:
+            chunks[n].append(np.broadcast_to(fns[n](b=b_grid[part], s=s_grid[part]), b_grid[part].shape))
+        bar.advance(b_grid[part].size)
+    columns.update({n: np.concatenate(chunks[n]) for n in names})
+    rows = zip(*(columns[k].tolist() for k in columns))
+    if args.format == "json":
+        print(json.dumps([dict(zip(columns, (int(v) for v in row))) for row in rows]))
+    else:
+        out = [",".join(columns)]
+        out += [",".join(str(int(v)) for v in row) for row in rows]
+        print("\n".join(out))
+    return 0
 
 
 def cmd_gpus(args) -> int:

@@ -291,3 +291,29 @@ def test_solve_errors(capsys, argv, words):
 def test_gpus_lists_the_catalog(capsys):
     code, out, err = run(capsys, "gpus")
     assert code == 0 and "H100-80GB" in out and "MI300X" in out
+
+
+# ----------------------------------------------------------------------------- sweep
+
+def test_sweep_csv_equals_the_library(capsys):
+    code, out, err = run(capsys, "sweep", "--model", "gpt2", "--batch", "1:3", "--seq", "512,1024",
+                         "--precision", "bf16-mixed", "--progress")
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[0] == "b,s,params,grads,master,optimizer,activations,peak"
+    assert len(lines) == 1 + 3 * 2
+    est = symmem.estimate(symmem.models.preset("gpt2"), symmem.Policy("bf16-mixed", "adamw"))
+    for line in lines[1:]:
+        b, s, *values = (int(v) for v in line.split(","))
+        ev = est.at(b=b, s=s)
+        assert values == [ev.bytes[k] for k in (*COMPONENTS, "peak")]
+    assert "100% 6/6 points" in err and err.endswith("\n")
+
+
+def test_sweep_json_and_errors(capsys):
+    j = run_json(capsys, "sweep", "--model", "gpt2", "--batch", "2", "--seq", "8:16:8")
+    assert [(r["b"], r["s"]) for r in j] == [(2, 8), (2, 16)]
+    code, out, err = run(capsys, "sweep", "--model", "gpt2", "--batch", "1:x", "--seq", "8")
+    assert code == 1 and "--batch = '1:x' is not valid: expected positive integers" in err
+    code, out, err = run(capsys, "sweep", "--model", "gpt2", "--batch", "1", "--seq", "1000:2000")
+    assert code == 1 and "s = 2000 is not valid: expected at most s_max = 1024" in err
