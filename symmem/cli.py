@@ -23,6 +23,7 @@ from .dtypes import format_bytes
 from .engine import canonical, estimate
 from .errors import ConfigError, SymmemError
 from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
+from .render import latex as render_latex_expr
 from .policy import DEVICES, IMPLEMENTATIONS, OPTIMIZERS, PRECISIONS, Policy
 from .schedule import ROLES
 from .symbols import B_w, latex_names
@@ -265,7 +266,7 @@ def _report(args, policy: Policy) -> dict:
             "components": {k: str(v) for k, v in est.components.items()},
             "formula": {
                 "peak": str(peak),
-                "latex": sp.latex(peak, symbol_names=latex_names()),
+                "latex": render_latex_expr(peak),
                 "peak_candidates": len(peak.args),
                 "peak_at_inputs": str(active),
             },
@@ -330,7 +331,7 @@ def render_latex(args, policy: Policy, r: dict) -> str:
     bind = ", ".join(f"{k} = {v}" for k, v in r["json"]["bindings"].items())
 
     def tex(e):
-        return sp.latex(e, symbol_names=names)
+        return render_latex_expr(e)
 
     out = [f"% symmem estimate: {est.graph.name}; b = {args.batch}, s = {args.seq}",
            *textwrap.wrap(f"policy: {policy.describe()}", WIDTH, initial_indent="% ",
@@ -383,7 +384,7 @@ def _solution_json(sol, bud, est) -> dict:
         "bytes_past_max": sol.past_value.bytes if sol.past_value is not None else None,
         "peak_where_at_max": sol.at_value.peak_point.where,
         "boundary": None if sol.boundary is None else {
-            "formula": str(sol.boundary), "latex": sp.latex(sol.boundary, symbol_names=names),
+            "formula": str(sol.boundary), "latex": render_latex_expr(sol.boundary),
             "with_numbers": str(sol.boundary_numeric)},
         "binding": {"where": sol.binding.where, "phase": sol.binding.phase,
                     "node": sol.binding.node, "formula": str(canonical(sol.binding.total))},

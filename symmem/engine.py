@@ -271,8 +271,8 @@ class Estimate:
         return f"Estimate({self.graph.name}, {self.policy.describe()})\npeak = {self.peak}"
 
     def _repr_latex_(self) -> str:
-        from .symbols import latex_names
-        return "$" + sp.latex(self.peak, symbol_names=latex_names()) + "$"
+        from .render import latex   # symmem's printer: grouped by L, b, s; parses back
+        return "$" + latex(self.peak) + "$"
 
     def _repr_html_(self) -> str:
         rows = [[_esc(k), _mathml(v)] for k, v in self.components.items()]

@@ -70,11 +70,12 @@ class Solution:
         return "\n".join(lines)
 
     def _repr_latex_(self) -> str:
-        from .symbols import latex_names
+        from .render import latex   # symmem's printer: grouped by L, b, s; parses back
+        # "\max\, s" rather than s_{\max}, which is the name of the symbol s_max
+        name = f"\\{self.direction}\\, {latex(lookup(self.symbol))}"
         if self.boundary is None:
-            return f"${self.symbol} = {self.value}$"
-        tex = sp.latex(self.boundary, symbol_names=latex_names())
-        return f"${sp.latex(lookup(self.symbol))}_{{\\{self.direction}}} = {tex} = {self.value}$"
+            return f"${name} = {self.value}$"
+        return f"${name} = {latex(self.boundary)} = {self.value}$"
 
     def _repr_html_(self) -> str:
         from .engine import _esc, _html_table, _mathml, _values_text

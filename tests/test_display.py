@@ -159,7 +159,7 @@ def test_graph_html_escapes_user_strings():
 def test_solution_displays(est):
     sol = max_batch(est, "80GiB", reserve="10%", s=1024)
     tex = sol._repr_latex_()
-    assert tex.startswith("$b_{\\max} = \\left\\lfloor") and "\\rfloor" in tex
+    assert tex.startswith("$\\max\\, b = \\left\\lfloor") and "\\rfloor" in tex
     assert tex.endswith(f"= {sol.value}$")
     out = sol._repr_html_()
     assert f"<b>max b = {sol.value:,}</b>" in out
@@ -175,7 +175,7 @@ def test_solution_limited_by_the_model(est):
     sol = max_seq(est, "80GiB", b=1)
     out = sol._repr_html_()
     assert "limited by the model" in out and "s &lt;= s_max" in out
-    assert sol._repr_latex_() == f"$s = {sol.value}$"
+    assert sol._repr_latex_() == f"$\\max\\, s = {sol.value}$"
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-master"])
