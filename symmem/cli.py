@@ -94,6 +94,10 @@ def _model_options(p):
     src.add_argument("--config", metavar="PATH",
                      help="a local Hugging Face config.json, or the folder holding one "
                           "(nothing is downloaded)")
+    _policy_options(p)
+
+
+def _policy_options(p):
     # Names are checked by Policy (exit 1, with a "did you mean" hint), not by argparse choices.
     p.add_argument("--precision", metavar="NAME", default="fp32",
                    help=f"{' | '.join(PRECISIONS)} (default: %(default)s)")
@@ -552,15 +556,7 @@ def _add_report_commands(sub) -> None:
                     help="micro-batch size b for the numbers (default: %(default)s)")
     rp.add_argument("--seq", type=positive_int, metavar="S",
                     help="sequence length s for the numbers (default: the model's maximum, s_max)")
-    rp.add_argument("--precision", metavar="NAME", default="fp32",
-                    help=f"{' | '.join(PRECISIONS)} (default: %(default)s)")
-    rp.add_argument("--optimizer", metavar="NAME", default="adamw",
-                    help=f"{' | '.join(OPTIMIZERS)} (default: %(default)s)")
-    rp.add_argument("--device", metavar="NAME", default="cuda",
-                    help=f"{' | '.join(DEVICES)} (default: %(default)s)")
-    rp.add_argument("--implementation", metavar="NAME", default="auto",
-                    help=f"optimizer implementation: {' | '.join(IMPLEMENTATIONS)} (default: "
-                         "%(default)s)")
+    _policy_options(rp)
     where = rp.add_mutually_exclusive_group()
     where.add_argument("--gpu", metavar="NAME",
                        help="add the largest micro-batch that fits this GPU (symmem gpus)")
