@@ -26,7 +26,7 @@ from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
 from .render import latex as render_latex_expr
 from .policy import DEVICES, IMPLEMENTATIONS, OPTIMIZERS, PRECISIONS, Policy
 from .schedule import ROLES
-from .symbols import B_w, latex_names
+from .symbols import B_w
 
 __all__ = ["main", "build_parser"]
 
@@ -324,14 +324,14 @@ def render_table(args, policy: Policy, r: dict) -> str:
     n = len(r["peak"].args)
     out += ["", f"peak formula (the largest at these inputs of the {n} candidates whose max is the peak):",
             _wrap(str(r["active"])),
-            f"with this model's numbers and the policy's bytes per element:",
+            "with this model's numbers and the policy's bytes per element:",
             _wrap(f"{bound}"),
             f"(all {n} candidates: --format json or --format latex)"]
     return "\n".join(out)
 
 
 def render_latex(args, policy: Policy, r: dict) -> str:
-    est, ev, names = r["est"], r["ev"], latex_names()
+    est, ev = r["est"], r["ev"]
     bind = ", ".join(f"{k} = {v}" for k, v in r["json"]["bindings"].items())
 
     def tex(e):
@@ -375,7 +375,6 @@ def _fixed(args) -> dict:
 
 
 def _solution_json(sol, bud, est) -> dict:
-    names = latex_names()
     key = "max_batch" if sol.symbol == "b" and sol.direction == "max" else "value"
     return {
         "symmem_version": __version__,

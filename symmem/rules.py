@@ -34,7 +34,7 @@ from typing import Callable
 import sympy as sp
 
 from .errors import ShapeError, UnknownName
-from .graph import Node, Param
+from .graph import Node
 from .symbols import B_a
 
 __all__ = ["DType", "TensorInfo", "Saved", "Footprint", "Ctx", "rule", "get_rule", "RULES",

@@ -28,7 +28,7 @@ import sympy as sp
 from .graph import Graph, Node, Repeat
 from .policy import Policy
 from .errors import ShapeError
-from .rules import F32, Footprint, TensorInfo, get_rule
+from .rules import Footprint, TensorInfo, get_rule
 
 __all__ = ["Point", "Walk", "walk", "ROLES"]
 

@@ -153,7 +153,7 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=0, direction: str = "ma
         raise ConfigError("direction", direction, "'max' or 'min'")
     x = lookup(symbol)
     if symbol in fixed:
-        raise ConfigError(symbol, fixed[symbol], f"not fixed: it is the symbol solved for")
+        raise ConfigError(symbol, fixed[symbol], "not fixed: it is the symbol solved for")
     total, res = _budget(budget, reserve)
     usable = total - res
     subs = est._subs(fixed)

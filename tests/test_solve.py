@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import symmem as sm
 from symmem.errors import ConfigError, Infeasible
 from symmem.solve import frontier, max_batch, max_seq, solve
-from symmem.symbols import G, M, R, b, g, h, s
+from symmem.symbols import G, M, R, g, h, s
 
 GiB = 2**30
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy as sp
 
 from ..errors import ConfigError, UnknownName
 from ..graph import Graph
