@@ -20,7 +20,7 @@ import sympy as sp
 
 from . import __version__, models
 from .dtypes import format_bytes
-from .engine import canonical, estimate
+from .engine import COMPONENTS, canonical, estimate
 from .errors import ConfigError, SymmemError
 from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
 from .render import latex as render_latex_expr
@@ -31,7 +31,6 @@ from .symbols import B_w
 __all__ = ["main", "build_parser"]
 
 FORMATS = ("table", "json", "latex")
-COMPONENTS = ("params", "grads", "master", "optimizer", "activations")
 WIDTH = 88
 
 SWEEP_EPILOG = """\

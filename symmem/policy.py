@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from .errors import ConfigError, UnknownName
-from .rules import F32, Ctx, DType
+from .rules import Ctx, DType
 from .symbols import B_a, B_g, B_m, B_o, B_w
 
 __all__ = ["Precision", "Optimizer", "Policy", "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS"]
@@ -142,8 +142,7 @@ class Policy:
         p = self.prec
         act = DType("compute", B_a, 2 if p.autocast else 3)
         name = "float32" if p.act == 4 else ("float16" if self.precision.startswith("fp16") else "bfloat16")
-        return Ctx(autocast=p.autocast, device=self.device, act=act,
-                   hi=F32 if p.autocast else act, act_is_fp32=(p.act == 4), act_name=name)
+        return Ctx(autocast=p.autocast, device=self.device, act=act, act_name=name)
 
     def bindings(self) -> dict:
         """Numbers for the byte symbols. Optimizer states are float32 (the master dtype)."""

@@ -28,7 +28,7 @@ Where CPU and CUDA differ the rule says so in its docstring.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import sympy as sp
@@ -60,16 +60,13 @@ class Ctx:
     """What the rules need to know of the policy.
 
     ``act`` is the dtype activations are computed in (autocast's half dtype, or the
-    model dtype without autocast); ``hi`` is what autocast's float32 ops produce
-    (equal to ``act`` without autocast); ``act_is_fp32`` says whether ``act`` is
-    float32, so that ``x.float()`` is a no-op.
+    model dtype without autocast), priced ``B_a``; ``act_name`` is the torch dtype it
+    stands for, so that rules can tell a no-op cast from a copy.
     """
     autocast: bool = False
     device: str = "cuda"
     act: DType = DType("compute", B_a, 3)
-    hi: DType = DType("compute", B_a, 3)
-    act_is_fp32: bool = False
-    act_name: str = "float32"   # the torch dtype ``act`` stands for
+    act_name: str = "float32"
 
     def same(self, x: DType, y: DType) -> bool:
         """Are x and y the same torch dtype? ``act`` is the dtype called ``act_name``."""
@@ -115,7 +112,6 @@ class Footprint:
     fwd_temp: sp.Expr = sp.Integer(0)
     grads: tuple = ()
     bwd_temp: sp.Expr = sp.Integer(0)
-    notes: tuple[str, ...] = field(default=())
 
 
 Rule = Callable[[Node, list, Ctx], Footprint]
