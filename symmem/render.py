@@ -56,7 +56,7 @@ __all__ = ["LatexPrinter", "MathMLPrinter", "latex", "latex_rows", "latex_max_ro
 FORMATS = {"latex": "report.tex.j2", "markdown": "report.md.j2", "html": "report.html.j2"}
 
 #: Where the templates are: ``templates/`` beside the package (the repository's root).
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"   # also ./templates in the source tree
 
 #: About how many characters of typeset math fit one display line of the LaTeX report.
 WIDTH = 90
@@ -502,9 +502,8 @@ def environment(path: str | None = None):
     import jinja2
     where = Path(path) if path is not None else TEMPLATES
     if not (where / FORMATS["latex"]).is_file():
-        raise ConfigError("templates", str(where), "a folder holding symmem's report templates",
-                          "Install symmem from its source tree (pip install -e .), where "
-                          "templates/ sits beside the package.")
+        raise ConfigError("templates", str(where), "a folder holding symmem's report templates "
+                          "(report.tex.j2, report.md.j2, report.html.j2)")
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(where)),
         block_start_string="((*", block_end_string="*))",
