@@ -265,7 +265,10 @@ def _forward_repeat(rep: Repeat, prep, live: Live, w: Walk, saved_keys, outputs,
     _forward(rep.body.items, prep, live, w, saved_keys, outputs,
              keep | {prep.storage[e] for e in rep.externals}, label="first",
              watch=(carried_st, x_live))
-    steady_kept = out_st in saved_keys
+    # Later iterations keep their input when the body saves it, either as its own output
+    # (relu saves its result) or as the next iteration's input (layer_norm saves it).
+    body = {node.name for node in rep.body.items}
+    steady_kept = any(n in body for n in prep.saved_by.get(out_st, []) + prep.saved_by.get(carried_st, []))
     x_kept = carried_st in live.entries
     adjust = []
     if steady_kept and not x_kept:
