@@ -73,8 +73,8 @@ class Optimizer:
     tensor, Adam's ``state['step']``), and the step's temporaries per implementation:
 
     - for-loop (``foreach=False``): Adam's ``denom = (exp_avg_sq.sqrt() / c).add_(eps)``
-      holds two temporaries of one parameter's size at once, so the peak is
-      2 x (largest parameter tensor);
+      holds two temporaries of one parameter's size at once, and the previous
+      parameter's ``denom`` is still referenced: 2 x this tensor + 1 x the previous one;
     - foreach: ``torch._foreach_sqrt(exp_avg_sqs)`` allocates one temporary for every
       parameter at once: 1 x (all parameters);
     - fused: one kernel updates in place: no temporaries.

@@ -112,6 +112,11 @@ class Footprint:
     fwd_temp: sp.Expr = sp.Integer(0)
     grads: tuple = ()
     bwd_temp: sp.Expr = sp.Integer(0)
+    # Gradients made by cast-back nodes (autocast's ToCopyBackward) after this node's saved
+    # tensors and output gradient are released: these inputs' and (late_params) the
+    # parameters'. The half-precision gradients they cast are in bwd_temp.
+    late_inputs: tuple = ()
+    late_params: bool = False
 
 
 Rule = Callable[[Node, list, Ctx], Footprint]
@@ -367,10 +372,17 @@ def nll_loss_rule(node, ins, ctx):
     the padded labels: s + 1 elements, 8 bytes more than counted here.)"""
     logp, labels = ins
     rows = labels.numel
-    saved = (Saved("log-probabilities", "in0"), Saved("shifted labels", "new", rows, I64),
+    if ctx.autocast and not ctx.same(logp.dtype, F32):
+        # nll_loss is on autocast's float32 list: a float32 copy of logp is what is saved
+        first = Saved("log-probabilities (float32 copy)", "new", logp.numel, F32)
+        bwd_temp = logp.numel * F32.nbytes     # its float32 gradient, then cast back
+    else:
+        first, bwd_temp = Saved("log-probabilities", "in0"), sp.Integer(0)
+    saved = (first, Saved("shifted labels", "new", rows, I64),
              Saved("total weight", "new", sp.Integer(1), F32))
     padded = labels.numel / labels.shape[-1] * (labels.shape[-1] + 1) * I64.nbytes
-    return Footprint(TensorInfo((), logp.dtype), saved=saved, fwd_temp=padded, grads=_grads(ins))
+    return Footprint(TensorInfo((), F32 if ctx.autocast else logp.dtype), saved=saved, fwd_temp=padded,
+                     grads=_grads(ins), bwd_temp=bwd_temp, late_inputs=(0,) if bwd_temp != 0 else ())
 
 
 # ----- parametrised ops --------------------------------------------------------------
@@ -423,9 +435,10 @@ def linear_rule(node, ins, ctx):
     if sp.simplify(x.shape[-1] - in_features) != 0:
         raise ShapeError(node.name, x.shape, f"a last dimension of {in_features}")
     out = TensorInfo(tuple(x.shape[:-1]) + (out_features,), ctx.act if ctx.autocast else x.dtype)
-    saved, bwd_temp = [], sp.Integer(0)
+    saved, bwd_temp, late = [], sp.Integer(0), ()
     if ctx.autocast:
         if not ctx.same(x.dtype, ctx.act):
+            late = (0,)
             saved.append(Saved("input (autocast copy)", "new", x.numel, ctx.act))
             bwd_temp += x.numel * ctx.act.nbytes if x.requires_grad else 0
         else:
@@ -435,7 +448,8 @@ def linear_rule(node, ins, ctx):
         bwd_temp += sum((p.numel for p in node.params), sp.Integer(0)) * ctx.act.nbytes
     else:
         saved.append(Saved("input", "in0"))
-    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp)
+    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, late_inputs=late,
+                     late_params=ctx.autocast)
 
 
 @rule("matmul")

@@ -21,7 +21,7 @@ candidates. This is exact: the unrolled graph gives the same maximum.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import sympy as sp
 
@@ -127,8 +127,7 @@ class _Prepared:
             ins = [self.info[i] for i in item.inputs]
             fp = get_rule(item.op)(item, ins, self.ctx)
             if item.params and not fp.out.requires_grad:
-                fp = Footprint(TensorInfo(fp.out.shape, fp.out.dtype, fp.out.contiguous, True),
-                               fp.alias, fp.saved, fp.fwd_temp, fp.grads, fp.bwd_temp)
+                fp = replace(fp, out=replace(fp.out, requires_grad=True))
             self.fp[item.name] = fp
             self.info[item.name] = fp.out
             self.producer[item.name] = item
@@ -315,25 +314,36 @@ def _backward(items, prep: _Prepared, live: Live, w: Walk, grads: dict, refs: di
         if g is None:
             continue                      # no gradient reaches this value
         fp = prep.fp[item.name]
-        temp = fp.bwd_temp
-        for v, mode in zip(item.inputs, fp.grads):
+        extra, news = sp.Integer(0), []
+        for i, (v, mode) in enumerate(zip(item.inputs, fp.grads)):
             if mode is None or not prep.info[v].requires_grad:
                 continue
-            nbytes = prep.info[v].nbytes
             if v in grads:                # a second consumer: accumulated into the first
-                temp += nbytes if mode == "new" else 0
+                extra += prep.info[v].nbytes if mode == "new" else 0
             elif mode == "pass":
                 hand(v, g)
             else:                         # "new", or "slice" arriving first
-                live.add(f"g:{v}", nbytes, "transient")
-                hand(v, f"g:{v}")
-        for p in item.params:
-            if p.name in seen:            # a tied weight: its second gradient is added in
-                temp += p.numel * B_g
-            else:
-                seen.add(p.name)
-                live.add(f"grad:{p.name}", p.numel * B_g, "grads")
-        w.points.append(Point("backward", item.name, live.parts({"transient": temp}), label))
+                news.append((i, v))
+
+        def allocate(late: bool):
+            """The input and parameter gradients this node produces (late: those made by
+            cast-back nodes after it)."""
+            for i, v in news:
+                if (i in fp.late_inputs) == late:
+                    live.add(f"g:{v}", prep.info[v].nbytes, "transient")
+                    hand(v, f"g:{v}")
+            tied = sp.Integer(0)
+            for p in item.params if fp.late_params == late else ():
+                if p.name in seen:        # a tied weight: a second gradient, added in below
+                    tied += p.numel * B_g
+                else:
+                    seen.add(p.name)
+                    live.add(f"grad:{p.name}", p.numel * B_g, "grads")
+            return tied
+
+        tied = allocate(late=False)
+        w.points.append(Point("backward", item.name,
+                              live.parts({"transient": fp.bwd_temp + extra + tied}), label))
         refs[g] -= 1                      # the output's gradient has been used
         del grads[item.name]
         if refs[g] == 0:
@@ -342,6 +352,13 @@ def _backward(items, prep: _Prepared, live: Live, w: Walk, grads: dict, refs: di
             key = prep.saved_key(item, sv)
             if prep.saved_by[key][0] == item.name:
                 live.release(remap.get(key, key))
+        if fp.late_inputs or fp.late_params:
+            tied += allocate(late=True)
+            w.points.append(Point("backward", f"{item.name} (cast back)",
+                                  live.parts({"transient": fp.bwd_temp + tied}), label))
+        if tied != 0:                     # the engine sums the two gradients out of place
+            w.points.append(Point("backward", f"{item.name} (tied gradient sum)",
+                                  live.parts({"transient": 2 * tied}), label))
 
 
 def _backward_repeat(rep: Repeat, prep: _Prepared, live: Live, w: Walk, grads, refs, seen, policy):
@@ -369,6 +386,23 @@ def _backward_repeat(rep: Repeat, prep: _Prepared, live: Live, w: Walk, grads, r
             live.entries[f"grad:{name}"][1] *= n
 
 
+def _param_order(items, seen=None) -> list:
+    """Parameters in the order the optimizer meets them; a repeated body's twice."""
+    seen = set() if seen is None else seen
+    out = []
+    for item in items:
+        if isinstance(item, Repeat):
+            body = _param_order(item.body.items, set(seen))
+            seen.update(p.name for p in body)
+            out += body + body
+        else:
+            for p in item.params:
+                if p.name not in seen:
+                    seen.add(p.name)
+                    out.append(p)
+    return out
+
+
 def _optimizer(graph: Graph, policy: Policy, live: Live, w: Walk):
     """The step's points. With a master copy, the gradients are first cast to the master
     dtype (one copy of all of them, held through the step) and the optimizer updates the
@@ -378,11 +412,16 @@ def _optimizer(graph: Graph, policy: Policy, live: Live, w: Walk):
     if policy.prec.master:
         live.add("master grads", graph.param_count() * B_m, "transient")
     if impl == "for-loop" and opt.largest_temps:
-        sizes = {}
-        for p, _ in graph.params():
-            sizes.setdefault(sp.expand(p.numel), p.name)
-        for numel, name in sizes.items():
-            temp = opt.largest_temps * numel * B_o
+        # Adam's loop keeps ``denom`` of the previous parameter while it computes this one's
+        # sqrt and quotient: 2 x this parameter + 1 x the previous one, in parameter order
+        # (the order of first use, as modules register them; a repeated block's order
+        # repeats, so its last parameter precedes its first).
+        seen = {}
+        order = _param_order(graph.items)
+        for prev, cur in zip([None] + order[:-1], order):
+            temp = (opt.largest_temps * cur.numel + (opt.largest_temps - 1) * (prev.numel if prev else 0)) * B_o
+            seen.setdefault(sp.expand(temp), cur.name)
+        for temp, name in seen.items():
             w.points.append(Point("optimizer", name, live.parts({"transient": temp})))
     elif impl == "foreach" and opt.all_temps:
         temp = opt.all_temps * graph.param_count() * B_o

@@ -97,10 +97,10 @@ def test_peak_latex_parses_back(ests):
 
 
 def test_peak_latex_parses_back_bf16(est16):
-    """bf16-mixed's 36 candidates with the model's numbers (short enough to parse fast),
+    """bf16-mixed's candidates with the model's numbers (short enough to parse fast),
     and the one that is the peak at b = 8, s = 1024 in symbols."""
     bound = sp.Max(*(canonical(a.xreplace(est16.bindings)) for a in est16.peak.args), evaluate=False)
-    assert len(bound.args) == 36
+    assert len(bound.args) == len(est16.points) > 1
     assert _same(_parse(rd.latex(bound)), bound)
     active = canonical(est16.at(b=8, s=1024).peak_point.total)
     assert sp.expand(_parse(rd.latex(active)) - active) == 0
