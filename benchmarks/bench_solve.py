@@ -42,7 +42,7 @@ def main():
     b, s = np.meshgrid(np.arange(1, 1001), np.arange(1, 1001), indexing="ij")   # 10^6 points
     t_eval, peaks = best(lambda: f(b=b, s=s))
     assert int(peaks[7, 999]) == est.at(b=8, s=1000).peak
-    print(f"{'gpt2: compile the peak (36 candidates)':<58}{t_compile * 1e3:>10.1f}ms")
+    print(f"{f'gpt2: compile the peak ({len(est.points)} candidates)':<58}{t_compile * 1e3:>10.1f}ms")
     print(f"{'gpt2: evaluate the peak at 10^6 (b, s) points':<58}{t_eval * 1e3:>10.1f}ms"
           f"{t_eval / b.size * 1e9:>11.0f}ns/pt")
     t_sweep, table = best(lambda: sweep(est, b=list(range(1, 1001)), s=list(range(1, 1001))), 1)
