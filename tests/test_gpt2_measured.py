@@ -103,7 +103,7 @@ def test_training_step_peak_within_one_percent(point, precision, opt, impl):
     for phase, measured in report.phase_peaks.items():
         predicted = max(int(p.total.xreplace(est._subs({"b": b, "s": s}))) for p in est.timeline
                         if p.phase == phase)
-        assert abs(predicted - measured) <= 0.03 * measured, (phase, predicted, measured)
+        assert abs(predicted - measured) <= 0.01 * measured, (phase, predicted, measured)
 
 
 class MasterOptimizer:

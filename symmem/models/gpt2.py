@@ -113,8 +113,9 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
         return g.add("add", y, x, name="h/mlp/residual")
 
     x = g.repeat(L, block, x, name="h")
-    x = g.add("layer_norm", x, params=(g.param("ln_f.weight", (h,)), g.param("ln_f.bias", (h,))),
-              name="ln_f")
+    # The final hidden states stay referenced by the model's output until forward ends.
+    x = g.output(g.add("layer_norm", x, params=(g.param("ln_f.weight", (h,)), g.param("ln_f.bias", (h,))),
+                       name="ln_f"))
     head = wte if cfg.tie_word_embeddings else g.param("lm_head.weight", (V, h))
     logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
     logits = g.add("to_float32", logits, name="logits_float")
