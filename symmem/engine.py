@@ -176,7 +176,8 @@ class Estimate:
     """The memory of one training step of ``graph`` under ``policy``, as formulas."""
 
     def __init__(self, graph: Graph, policy: Policy, w: Walk):
-        self.graph, self.policy, self._walk = graph, policy, w
+        # the graph walked: a repeated block whose first iteration differs is peeled
+        self.graph, self.policy, self._walk = w.graph or graph, policy, w
         comps = dict(w.components)
         comps["activations"] = w.saved_at_end_of_forward
         self.components = {k: canonical(v) for k, v in comps.items()}
@@ -235,11 +236,17 @@ class Estimate:
             if not isinstance(v, (int, sp.Integer, sp.Rational)) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(str(sym), v, "a positive integer")
             subs[sym] = sp.Integer(v) if isinstance(v, int) else v
+        self.check(subs)
+        return subs
+
+    def check(self, subs: dict) -> None:
+        """Raise ConfigError when values break one of the model's requirements (s <= s_max)."""
         for lhs, rhs, reason in self.graph.requirements:
             lv, rv = lhs.xreplace(subs), rhs.xreplace(subs)
             if lv.is_number and rv.is_number and lv > rv:
+                if lhs.is_number:
+                    raise ConfigError(str(rhs), int(rv), f"at least {lhs}: {reason}")
                 raise ConfigError(str(lhs), int(lv), f"at most {rhs} = {rv}: {reason}")
-        return subs
 
     def at(self, **values) -> Evaluation:
         """Exact integer bytes at ``values`` (e.g. ``b=8, s=1024``), over the model's bindings."""

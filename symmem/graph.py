@@ -228,6 +228,39 @@ class Graph:
         g.outputs, g.requirements = self.outputs, self.requirements
         return g
 
+    def peeled(self, name: str) -> "Graph":
+        """The same graph with the first iteration of Repeat ``name`` written out (its
+        parameters renamed ``name.0.*``) before a Repeat of ``count - 1`` iterations.
+
+        For a block whose first iteration differs from the rest, e.g. one that turns its
+        float32 input into bfloat16 under autocast: every later iteration is then alike.
+        The result holds for ``count >= 2`` (recorded as a requirement)."""
+        g = Graph(self.name, dict(self.bindings))
+        for item in self.items:
+            if not (isinstance(item, Repeat) and item.name == name):
+                g.items.append(item)
+                g._shapes[getattr(item, "name")] = item.shape
+                continue
+            ren = {f"{name}/in": item.carried}
+            for node in item.body.items[1:]:
+                new = f"{name}.0/{node.name.split('/', 1)[1]}"
+                ren[node.name] = new
+                params = tuple(Param(f"{name}.0.{p.name}", p.shape) if p.name in item.body._params else p
+                               for p in node.params)
+                g.items.append(Node(new, node.op, tuple(ren.get(x, x) for x in node.inputs),
+                                    params, node.attrs, node.shape))
+                g._shapes[new] = node.shape
+            body = Graph(item.body.name, parent=g, externals=item.body.externals,
+                         _shapes=item.body._shapes, _params=item.body._params)
+            body.items = [Node(f"{name}/in", "carry", (ren[item.output],), shape=item.shape)] + item.body.items[1:]
+            g.items.append(Repeat(name, item.count - 1, body, ren[item.output], item.output, item.shape))
+            g._shapes[name] = item.shape
+            g.require(2, item.count, f"the block {name!r} treats its first iteration differently "
+                                     "(its input's dtype changes), so it is written out")
+        g.outputs, g.requirements = self.outputs, self.requirements + g.requirements
+        g._taken = set(g._shapes)
+        return g
+
     def to_networkx(self) -> nx.DiGraph:
         """A DiGraph of values; a Repeat appears as one node with its body attached."""
         G = nx.DiGraph(name=self.name)

@@ -76,10 +76,7 @@ def _point(est: Estimate | None, at: dict | None, allow_float: bool = True) -> d
         sym = _sym(k)
         subs[sym] = _number(sym.name, v, allow_float)
     if est is not None:
-        for lhs, rhs, reason in est.graph.requirements:
-            lv, rv = lhs.xreplace(subs), rhs.xreplace(subs)
-            if lv.is_number and rv.is_number and lv > rv:
-                raise ConfigError(str(lhs), lv, f"at most {rhs} = {rv}: {reason}")
+        est.check(subs)
     return subs
 
 

@@ -98,9 +98,34 @@ class Walk:
     components: dict = field(default_factory=dict)
     infos: dict = field(default_factory=dict)
     footprints: dict = field(default_factory=dict)
+    graph: Graph | None = None        # the graph walked (a block may have been peeled)
 
 
 # ----- preparation: tensor infos, footprints, storages, uses ---------------------------
+class _DtypeChange(Exception):
+    """A repeated block whose output dtype differs from its input's: iterations differ."""
+
+    def __init__(self, rep: Repeat, got: str, out: str):
+        super().__init__(rep.name)
+        self.rep, self.got, self.out = rep, got, out
+
+
+def _prepare(graph: Graph, policy: Policy) -> tuple[Graph, "_Prepared"]:
+    """Prepare the walk; a block whose first iteration changes its input's dtype is peeled
+    (its first iteration written out) once; a block that still differs is refused."""
+    try:
+        return graph, _Prepared(graph, policy)
+    except _DtypeChange as first:
+        peeled = graph.peeled(first.rep.name)
+        try:
+            return peeled, _Prepared(peeled, policy)
+        except _DtypeChange as e:
+            raise ShapeError(e.rep.name, f"{e.out} out of the block",
+                             f"the dtype it receives ({e.got}) under this policy, even after its "
+                             "first iteration, so that iterations are alike. Unroll the graph "
+                             "(graph.unrolled()) to estimate it as it is") from None
+
+
 class _Prepared:
     def __init__(self, graph: Graph, policy: Policy):
         self.ctx = policy.ctx()
@@ -117,10 +142,7 @@ class _Prepared:
                 self._prepare(item.body.items)
                 x, y = self.info[item.carried], self.info[item.output]
                 if not self.ctx.same(x.dtype, y.dtype):
-                    raise ShapeError(item.name, f"{self._dtype_name(y.dtype)} out of the block",
-                                     f"the dtype it receives ({self._dtype_name(x.dtype)}) under this "
-                                     "policy, so that every iteration is alike. Unroll the graph "
-                                     "(graph.unrolled()) to estimate it as it is")
+                    raise _DtypeChange(item, self._dtype_name(x.dtype), self._dtype_name(y.dtype))
                 self.info[item.name] = self.info[item.output]
                 self.storage[item.name] = self.storage[item.output]
                 continue
@@ -162,8 +184,8 @@ def _uses(items) -> dict:
 # ----- the walk -------------------------------------------------------------------------
 def walk(graph: Graph, policy: Policy) -> Walk:
     """Walk one steady-state training step of ``graph`` under ``policy``."""
-    prep = _Prepared(graph, policy)
-    w = Walk(infos=prep.info, footprints=prep.fp)
+    graph, prep = _prepare(graph, policy)
+    w = Walk(infos=prep.info, footprints=prep.fp, graph=graph)
     live = Live()
     _model_states(graph, policy, live, w)
     saved_keys = set(prep.saved_by)
@@ -172,7 +194,7 @@ def walk(graph: Graph, policy: Policy) -> Walk:
     _forward(graph.items, prep, live, w, saved_keys, outputs, keep=set())
     for v in graph.outputs:           # the training loop keeps only the loss
         if prep.storage[v] not in saved_keys:
-            live.drop(prep.storage[v])
+            live.release(prep.storage[v])
     w.saved_at_end_of_forward = sp.expand(sum(
         (n * c for n, c, r in live.entries.values() if r == "activations"), ZERO))
     grads: dict[str, str] = {}
@@ -216,7 +238,7 @@ def _forward(items, prep: _Prepared, live: Live, w: Walk, saved_keys, outputs, k
         if st in saved_keys or value in outputs or st in keep:
             return
         if holders.get(st, -1) <= idx:
-            live.drop(st)
+            live.release(st)               # one storage: a repeat's key may count several
 
     for idx, item in enumerate(items):
         if isinstance(item, Repeat):
@@ -277,9 +299,15 @@ def _forward_repeat(rep: Repeat, prep, live: Live, w: Walk, saved_keys, outputs,
     else:
         per_iter = {}
     _add_last_iteration(w, first, start, live.parts(), n, extra=per_iter, adjust=adjust)
-    for key in set(live.entries) - before:
-        if key != out_st or steady_kept:
-            live.entries[key][1] = live.entries[key][1] * n
+    for key in set(live.entries) - before - {out_st}:
+        live.entries[key][1] = live.entries[key][1] * n
+    if steady_kept and out_st in live.entries:     # the outputs of all but the last iteration,
+        live.add(_kept(rep), live.entries[out_st][0], "activations", n - 1)   # saved by the next
+
+
+def _kept(rep: Repeat) -> str:
+    """The key of a repeat's outputs that later iterations saved."""
+    return f"{rep.name}:kept outputs"
 
 
 def _add_last_iteration(w: Walk, first: int, start: tuple, end: tuple, n, labels=("first", "last"),
@@ -375,9 +403,9 @@ def _backward_repeat(rep: Repeat, prep: _Prepared, live: Live, w: Walk, grads, r
     start = live.parts()
     first = len(w.points)
     _backward(rep.body.items, prep, live, w, grads, refs, seen, policy, label="last",
-              remap={carried_st: out_st})
+              remap={carried_st: _kept(rep)})
     _add_last_iteration(w, first, start, live.parts(), n, labels=("last", "first"))
-    for key in body_keys:
+    for key in body_keys | {_kept(rep)}:
         live.drop(key)
     if carried_st in prep.saved_by and prep.saved_by[carried_st][0] in body_keys:
         live.drop(carried_st)

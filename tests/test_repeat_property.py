@@ -54,7 +54,7 @@ POLICIES = [sm.Policy("fp32", "adamw", "cpu"), sm.Policy("fp32", "sgd", "cuda"),
             sm.Policy("bf16-master", "adamw", "cuda", "fused")]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=5), tied=st.booleans(),
        p_drop=st.sampled_from([0.0, 0.1]), policy=st.sampled_from(POLICIES), n=st.integers(1, 4),
        points=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 4096)), min_size=2, max_size=4))
@@ -62,8 +62,9 @@ def test_repeat_equals_unrolled(ops, tied, p_drop, policy, n, points):
     g = build(ops, tied, p_drop)
     try:
         rep = sm.estimate(g, policy)
-    except ShapeError:              # a block that changes its input's dtype is refused
+    except ShapeError:              # a block whose iterations still differ after peeling
         assume(False)
+    assume(n >= 2 or not any(lhs.is_number for lhs, _, _ in rep.graph.requirements))   # peeled: L >= 2
     g.bindings[L] = n
     unr = sm.estimate(g.unrolled(), policy)
     for name, expr in rep.components.items():
@@ -76,5 +77,5 @@ def test_the_generator_makes_both_kinds_of_block():
     """Blocks that free their input in the first iteration, and blocks that keep it."""
     assert sm.estimate(build(["scale", "relu"], True, 0.0), POLICIES[0])
     assert sm.estimate(build(["ln", "mlp", "res"], False, 0.1), POLICIES[2])
-    with pytest.raises(ShapeError):
-        sm.estimate(build(["lin"], True, 0.0), POLICIES[2])
+    peeled = sm.estimate(build(["lin"], True, 0.0), POLICIES[2])   # float32 in, bfloat16 out
+    assert "blk.0/0_lin" in [item.name for item in peeled.graph.items]
