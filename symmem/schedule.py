@@ -289,7 +289,7 @@ def _forward_repeat(rep: Repeat, prep, live: Live, w: Walk, saved_keys, outputs,
     # Later iterations keep their input when the body saves it, either as its own output
     # (relu saves its result) or as the next iteration's input (layer_norm saves it).
     body = {node.name for node in rep.body.items}
-    steady_kept = any(n in body for n in prep.saved_by.get(out_st, []) + prep.saved_by.get(carried_st, []))
+    steady_kept = any(saver in body for saver in prep.saved_by.get(out_st, []) + prep.saved_by.get(carried_st, []))
     x_kept = carried_st in live.entries
     adjust = []
     if steady_kept and not x_kept:
@@ -392,7 +392,7 @@ def _backward(items, prep: _Prepared, live: Live, w: Walk, grads: dict, refs: di
 def _backward_repeat(rep: Repeat, prep: _Prepared, live: Live, w: Walk, grads, refs, seen, policy):
     n = rep.count
     grads[rep.output] = grads.pop(rep.name)
-    carried_st, out_st = prep.storage[rep.carried], prep.storage[rep.output]
+    carried_st = prep.storage[rep.carried]
     body_keys = set()
     for node in rep.body.items:
         if isinstance(node, Node):

@@ -1,6 +1,5 @@
 """Property: for random blocks, random policies and layer counts, the repeat walked once
 agrees exactly with the unrolled graph (components symbolically, the peak numerically)."""
-import pytest
 import sympy as sp
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
