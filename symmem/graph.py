@@ -316,39 +316,27 @@ class Graph:
 
     def _saved(self, policy=None) -> dict:
         """node name -> [(label, value or None, numel, bytes per element), …]: what each
-        node's rule saves for backward under ``policy``, with the inputs' tensor infos as
-        the schedule prepares them (a Repeat's body once, with the carried input)."""
-        from dataclasses import replace
+        node's rule saves for backward under ``policy``, as the schedule prepares it (a
+        Repeat's body once, with the carried input)."""
         from .policy import Policy
-        from .rules import get_rule
-        ctx = (policy or Policy()).ctx()
-        info, out = {}, {}
-
-        def prepare(items):
-            for item in items:
-                if isinstance(item, Repeat):
-                    prepare(item.body.items)
-                    info[item.name] = info[item.output]
-                    continue
-                fp = get_rule(item.op)(item, [info[i] for i in item.inputs], ctx)
-                if item.params and not fp.out.requires_grad:    # a parameter's output needs grad
-                    fp = replace(fp, out=replace(fp.out, requires_grad=True))
-                info[item.name] = fp.out
-                rows = []
-                for sv in fp.saved:
-                    if sv.ref.startswith("in"):
-                        v = item.inputs[int(sv.ref[2:])]
-                        rows.append((sv.label, v, info[v].numel, info[v].dtype.nbytes))
-                    elif sv.ref == "out":
-                        rows.append((sv.label, item.name, fp.out.numel, fp.out.dtype.nbytes))
-                    else:
-                        rows.append((sv.label, None, sv.numel, sv.dtype.nbytes))
-                out[item.name] = rows
-
+        from .schedule import _Prepared
         root = self
         while root.parent is not None:      # a body's inputs are defined by its parents
             root = root.parent
-        prepare(root.items)
+        prep = _Prepared(root, policy or Policy(), strict=False)
+        out = {}
+        for name, fp in prep.fp.items():
+            node = prep.nodes[name]
+            rows = []
+            for sv in fp.saved:
+                if sv.ref.startswith("in"):
+                    v = node.inputs[int(sv.ref[2:])]
+                    rows.append((sv.label, v, prep.info[v].numel, prep.info[v].dtype.nbytes))
+                elif sv.ref == "out":
+                    rows.append((sv.label, node.name, fp.out.numel, fp.out.dtype.nbytes))
+                else:
+                    rows.append((sv.label, None, sv.numel, sv.dtype.nbytes))
+            out[name] = rows
         return out
 
     def _repr_pretty_(self, p, cycle) -> None:

@@ -213,7 +213,7 @@ def saved_bytes(fn: Callable[[], Any], *, exclude: Any = None) -> SavedReport:
         if st is not None and _key(st) not in keys:
             saved.append(_entry(t, st))
             keys.add(_key(st))
-    del output, records
+    del output
 
     excluded = {_key(st) for t in _tensors(exclude) if (st := _storage(t)) is not None}
     counted: set[tuple[int, int]] = set()

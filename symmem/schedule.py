@@ -29,6 +29,7 @@ from .graph import Graph, Node, Repeat
 from .policy import Policy
 from .errors import ShapeError
 from .rules import Footprint, TensorInfo, get_rule
+from .symbols import B_g, B_m, B_o, B_w
 
 __all__ = ["Point", "Walk", "walk", "ROLES"]
 
@@ -96,8 +97,6 @@ class Walk:
     points: list = field(default_factory=list)
     saved_at_end_of_forward: sp.Expr = ZERO
     components: dict = field(default_factory=dict)
-    infos: dict = field(default_factory=dict)
-    footprints: dict = field(default_factory=dict)
     graph: Graph | None = None        # the graph walked (a block may have been peeled)
 
 
@@ -127,13 +126,17 @@ def _prepare(graph: Graph, policy: Policy) -> tuple[Graph, "_Prepared"]:
 
 
 class _Prepared:
-    def __init__(self, graph: Graph, policy: Policy):
-        self.ctx = policy.ctx()
+    """Every node's footprint under a policy, its output's tensor info and storage, and who
+    saves each storage. ``strict``: refuse a block whose output dtype differs from its
+    input's (the walk needs iterations alike; a listing does not)."""
+
+    def __init__(self, graph: Graph, policy: Policy, strict: bool = True):
+        self.ctx, self.strict = policy.ctx(), strict
+        self.nodes: dict[str, Node] = {}
         self.info: dict[str, TensorInfo] = {}
         self.fp: dict[str, Footprint] = {}
         self.storage: dict[str, str] = {}     # value -> storage key
         self.saved_by: dict[str, list] = {}   # storage key -> nodes that save it
-        self.producer: dict[str, Node] = {}
         self._prepare(graph.items)
 
     def _prepare(self, items):
@@ -141,7 +144,7 @@ class _Prepared:
             if isinstance(item, Repeat):
                 self._prepare(item.body.items)
                 x, y = self.info[item.carried], self.info[item.output]
-                if not self.ctx.same(x.dtype, y.dtype):
+                if self.strict and not self.ctx.same(x.dtype, y.dtype):
                     raise _DtypeChange(item, self._dtype_name(x.dtype), self._dtype_name(y.dtype))
                 self.info[item.name] = self.info[item.output]
                 self.storage[item.name] = self.storage[item.output]
@@ -151,8 +154,8 @@ class _Prepared:
             if item.params and not fp.out.requires_grad:
                 fp = replace(fp, out=replace(fp.out, requires_grad=True))
             self.fp[item.name] = fp
+            self.nodes[item.name] = item
             self.info[item.name] = fp.out
-            self.producer[item.name] = item
             self.storage[item.name] = (self.storage[item.inputs[fp.alias]] if fp.alias is not None
                                        else item.name)
             for sv in fp.saved:
@@ -185,7 +188,7 @@ def _uses(items) -> dict:
 def walk(graph: Graph, policy: Policy) -> Walk:
     """Walk one steady-state training step of ``graph`` under ``policy``."""
     graph, prep = _prepare(graph, policy)
-    w = Walk(infos=prep.info, footprints=prep.fp, graph=graph)
+    w = Walk(graph=graph)
     live = Live()
     _model_states(graph, policy, live, w)
     saved_keys = set(prep.saved_by)
@@ -207,7 +210,6 @@ def walk(graph: Graph, policy: Policy) -> Walk:
 
 
 def _model_states(graph, policy, live: Live, w: Walk):
-    from .symbols import B_g, B_m, B_o, B_w
     params = graph.params()
     N = sp.expand(sum((p.numel * m for p, m in params), ZERO))
     tensors = sp.expand(sum((m for _, m in params), ZERO))
@@ -327,7 +329,6 @@ def _add_last_iteration(w: Walk, first: int, start: tuple, end: tuple, n, labels
 
 def _backward(items, prep: _Prepared, live: Live, w: Walk, grads: dict, refs: dict, seen: set,
               policy, label="", remap=None):
-    from .symbols import B_g
     remap = remap or {}
 
     def hand(value, key):
@@ -435,7 +436,6 @@ def _optimizer(graph: Graph, policy: Policy, live: Live, w: Walk):
     """The step's points. With a master copy, the gradients are first cast to the master
     dtype (one copy of all of them, held through the step) and the optimizer updates the
     master weights; their new values are then copied into the weights in place."""
-    from .symbols import B_m, B_o
     opt, impl = policy.opt, policy.impl
     if policy.prec.master:
         live.add("master grads", graph.param_count() * B_m, "transient")

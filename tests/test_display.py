@@ -191,5 +191,5 @@ def test_describe_saves_what_the_schedule_prepares(precision):
             if sv.ref == "new" or sv.ref.startswith("cast:"):
                 assert (value, numel, nbytes) == (None, sv.numel, sv.dtype.nbytes)
             else:                                # a tensor of the graph: its storage
-                assert prep.storage[value] == prep.saved_key(prep.producer[name], sv)
+                assert prep.storage[value] == prep.saved_key(prep.nodes[name], sv)
                 assert numel * nbytes == prep.info[value].nbytes
