@@ -401,7 +401,7 @@ def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
     est = _load(args, policy)
     bud = make_budget(gpu=args.gpu, bytes=args.budget, reserve=args.reserve)
     try:
-        sol = solve(est, symbol, bud.total, reserve=bud.reserve, direction=direction, **fixed)
+        sol = solve(est, symbol, bud, direction=direction, **fixed)
     except Infeasible as e:
         if args.format == "json":
             print(json.dumps({"symbol": symbol, "direction": direction, "fixed": fixed,

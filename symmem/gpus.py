@@ -31,7 +31,7 @@ from fractions import Fraction
 from .dtypes import format_bytes
 from .errors import ConfigError, UnknownName
 
-__all__ = ["parse_bytes", "GPU", "CATALOG", "gpu", "reserve_bytes", "DEFAULT_RESERVE",
+__all__ = ["as_budget", "parse_bytes", "GPU", "CATALOG", "gpu", "reserve_bytes", "DEFAULT_RESERVE",
            "Budget", "budget"]
 
 # ---------------------------------------------------------------------------------------
@@ -385,6 +385,21 @@ class Budget:
 
 
 _EXACTLY_ONE = "exactly one of gpu (a GPU name) or bytes (a size like 80GiB)"
+
+
+def as_budget(value, reserve=0) -> Budget:
+    """A :class:`Budget` from a Budget (as it is: it carries its own reserve), a byte count
+    or a size string (less ``reserve``): what the solvers and plots accept.
+
+    >>> as_budget("1GiB", reserve="25%").usable
+    805306368
+    """
+    if isinstance(value, Budget):
+        if reserve not in (0, "0", None):
+            raise ConfigError("reserve", reserve, "0 (the default) with a Budget",
+                              "A Budget carries its own reserve: build it with budget(..., reserve=...).")
+        return value
+    return budget(bytes=value, reserve=reserve)
 
 
 def budget(gpu=None, bytes=None, reserve=DEFAULT_RESERVE) -> Budget:

@@ -218,15 +218,10 @@ def timeline(est: Estimate, *, ax=None, **values):
 
 def _budget(budget, reserve) -> tuple[int, int, str]:
     """``(total, reserve, label)`` from bytes, a size string or a Budget."""
-    from .gpus import Budget, parse_bytes, reserve_bytes
-    if isinstance(budget, Budget):
-        if reserve not in (0, "0", None):
-            raise ConfigError("reserve", reserve, "0 (the default) with a Budget",
-                              "A Budget carries its own reserve: build it with budget(..., reserve=...).")
-        name = f"{budget.gpu.name} " if budget.gpu is not None else ""
-        return budget.total, budget.reserve, f"{name}{format_bytes(budget.total)}"
-    total = parse_bytes(budget)
-    return total, reserve_bytes(reserve, total), format_bytes(total)
+    from .gpus import as_budget
+    bud = as_budget(budget, reserve)
+    name = f"{bud.gpu.name} " if bud.gpu is not None else ""
+    return bud.total, bud.reserve, f"{name}{format_bytes(bud.total)}"
 
 
 def versus(est: Estimate, symbol: str, values, budget=None, reserve=0, *, ax=None, **fixed):

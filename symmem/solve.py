@@ -23,6 +23,7 @@ import sympy as sp
 from .dtypes import format_bytes
 from .engine import Estimate, Evaluation, canonical
 from .errors import ConfigError, Infeasible
+from .gpus import as_budget
 from .schedule import Point
 from .symbols import M, R, symbol as lookup
 
@@ -135,18 +136,13 @@ class _Peak:
         return max(range(len(self.fns)), key=lambda i: self.fns[i](v))
 
 
-def _budget(budget, reserve) -> tuple[int, int]:
-    from .gpus import parse_bytes, reserve_bytes
-    total = parse_bytes(budget)
-    return total, reserve_bytes(reserve, total)
-
-
 def solve(est: Estimate, symbol: str, budget, *, reserve=0, direction: str = "max",
           **fixed) -> Solution:
     """The largest (``direction="max"``) or smallest (``"min"``) integer value of ``symbol``
     whose peak fits ``budget - reserve`` bytes, every other symbol fixed by ``fixed`` or by
-    the model's bindings. ``budget``: bytes or a string ("80GiB", "80GB"); ``reserve``:
-    bytes, a string or a percentage of the budget ("10%").
+    the model's bindings. ``budget``: a :class:`~symmem.gpus.Budget` (it carries its
+    reserve), bytes or a string ("80GiB", "80GB"); ``reserve``: bytes, a string or a
+    percentage of the budget ("10%").
 
     Raises :class:`~symmem.errors.Infeasible` when no value fits."""
     if direction not in ("max", "min"):
@@ -154,7 +150,8 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=0, direction: str = "ma
     x = lookup(symbol)
     if symbol in fixed:
         raise ConfigError(symbol, fixed[symbol], "not fixed: it is the symbol solved for")
-    total, res = _budget(budget, reserve)
+    bud = as_budget(budget, reserve)
+    total, res = bud.total, bud.reserve
     usable = total - res
     subs = est._subs(fixed)
     subs.pop(x, None)

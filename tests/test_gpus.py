@@ -391,8 +391,17 @@ def test_errors_are_symmem_errors():
 
 def test_public_names():
     assert set(gpus.__all__) == {"parse_bytes", "GPU", "CATALOG", "gpu", "reserve_bytes",
-                                 "DEFAULT_RESERVE", "Budget", "budget"}
+                                 "DEFAULT_RESERVE", "Budget", "budget", "as_budget"}
     for name in gpus.__all__:
         assert getattr(gpus, name) is not None
-    for fn in (parse_bytes, gpu, reserve_bytes, budget, GPU, Budget):
+    for fn in (parse_bytes, gpu, reserve_bytes, budget, GPU, Budget, gpus.as_budget):
         assert ">>> " in fn.__doc__
+
+
+def test_as_budget():
+    # 1 GiB = 1,073,741,824 bytes; 25% of it = 268,435,456 reserved
+    assert gpus.as_budget("1GiB", reserve="25%").usable == 1_073_741_824 - 268_435_456
+    h100 = budget(gpu="H100-80GB")
+    assert gpus.as_budget(h100) is h100
+    with pytest.raises(ConfigError, match="reserve = '5%' is not valid: expected 0 .* carries its own reserve"):
+        gpus.as_budget(h100, reserve="5%")
