@@ -598,25 +598,17 @@ def _value_text(v) -> str:
 
 def _boundary(sol, est, s_value):
     """The closed form of the largest micro-batch: ``floor((M - R - c0) / c1)`` with the
-    binding candidate's bytes at b = 0 (c0) and per sequence (c1), when it is linear in b
-    and agrees with the solver's own boundary; else the solver's boundary as it is."""
+    binding candidate's bytes at b = 0 (c0) and per sequence (c1), when it is linear in b;
+    else the solver's boundary as it is."""
     if sol.boundary is None:
         return None
-    total = canonical(sol.binding.total)
-    try:
-        poly = sp.Poly(sp.expand(total), b)
-    except sp.PolynomialError:
-        poly = None
     out = {"formula": sol.boundary, "numeric": sol.boundary_numeric, "c0": None, "c1": None}
-    if poly is not None and poly.degree() == 1:
-        c1, c0 = (canonical(c) for c in poly.all_coeffs())
-        num, den = fraction(sp.together(sol.boundary.args[0])) \
-            if isinstance(sol.boundary, sp.floor) else (None, None)
-        if num is not None and sp.expand(num * c1 - (M - R - c0) * den) == 0:
-            subs = {**est.bindings, s: s_value}
-            n0, n1 = int(c0.xreplace(subs)), int(c1.xreplace(subs))
-            out.update(c0=c0, c1=c1, c0_bytes=n0, c1_bytes=n1,
-                       check=(sol.usable - n0) // n1)
+    terms = sol.linear_terms() if sol.direction == "max" else None
+    if terms is not None:
+        c0, c1 = terms
+        subs = {**est.bindings, s: s_value}
+        n0, n1 = int(c0.xreplace(subs)), int(c1.xreplace(subs))
+        out.update(c0=c0, c1=c1, c0_bytes=n0, c1_bytes=n1, check=(sol.usable - n0) // n1)
     return out
 
 

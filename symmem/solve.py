@@ -52,6 +52,18 @@ class Solution:
     def usable(self) -> int:
         return self.total - self.reserve
 
+    def linear_terms(self):
+        """``(c0, c1)`` with the binding candidate ``c0 + c1 * symbol`` when it is linear in
+        the symbol (then ``boundary`` is ``floor((M - R - c0) / c1)``); else None."""
+        try:
+            poly = sp.Poly(sp.expand(self.binding.total), lookup(self.symbol))
+        except sp.PolynomialError:
+            return None
+        if poly.degree() != 1:
+            return None
+        c1, c0 = (canonical(c) for c in poly.all_coeffs())
+        return c0, c1
+
     def __str__(self) -> str:
         past = self.past_value
         lines = [f"{self.direction} {self.symbol} = {self.value:,}",

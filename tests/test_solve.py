@@ -18,6 +18,11 @@ def gpt2():
     return sm.estimate(sm.models.preset("gpt2"), sm.Policy("bf16-mixed", "adamw"))
 
 
+def c1_bytes_per_sequence(est):
+    """At s = 1024 the peak grows by the same bytes for each sequence added (b = 1 -> 2)."""
+    return est.at(b=2, s=1024).peak - est.at(b=1, s=1024).peak
+
+
 def test_max_batch_with_proof(gpt2):
     sol = max_batch(gpt2, "80GiB", reserve="10%", s=1024)
     # usable = 80 GiB - 10% = 85,899,345,920 - 8,589,934,592 = 77,309,411,328
@@ -30,6 +35,11 @@ def test_max_batch_with_proof(gpt2):
     assert sp.expand(sol.boundary_numeric.args[0] - (M - R - (gpt2.at(b=1, s=1024).peak - c1)) / c1) == 0
     assert sol.binding.where == "backward log_softmax"
     assert "max b = 31" in str(sol)
+    c0, c1 = sol.linear_terms()             # the binding candidate is c0 + c1*b
+    bound = {**gpt2.bindings, s: 1024}
+    assert c1.xreplace(bound) == c1_bytes_per_sequence(gpt2)
+    assert sp.expand(sol.boundary.args[0] - (M - R - c0) / c1) == 0
+    assert max_seq(gpt2, "16GiB", b=8).linear_terms() is None   # quadratic in s
 
 
 def test_quadratic_boundary_in_s(gpt2):
