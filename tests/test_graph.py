@@ -3,6 +3,7 @@ import pytest
 import sympy as sp
 
 import symmem as sm
+from helpers import assert_repeat_matches_unrolled
 from symmem.errors import ConfigError, ShapeError
 from symmem.symbols import L, V, b, h, s
 
@@ -80,11 +81,7 @@ def test_tiny_repeat_equals_unrolled(policy, n):
     g = tiny()
     rep = sm.estimate(g, policy)
     g.bindings[L] = n
-    unr = sm.estimate(g.unrolled(), policy)
-    for name, expr in rep.components.items():
-        assert sp.expand(expr.subs(L, n) - unr.components[name]) == 0, name
-    for bb, ss in [(1, 1), (3, 7), (64, 2048)]:
-        assert rep.at(b=bb, s=ss, L=n).peak == unr.at(b=bb, s=ss).peak
+    assert_repeat_matches_unrolled(rep, sm.estimate(g.unrolled(), policy), n)
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
@@ -97,11 +94,7 @@ def test_a_block_that_changes_its_input_dtype_is_peeled(n):
     assert [n.name for n in est.graph.items][:3] == ["ids", "embed", "layer.0/scale"]
     assert sp.expand(est.graph.param_count() - g.param_count()) == 0
     g.bindings[L] = n
-    unr = sm.estimate(g.unrolled(), policy)
-    for name, expr in est.components.items():
-        assert sp.expand(expr.subs(L, n) - unr.components[name]) == 0, name
-    for bb, ss in [(1, 1), (3, 7), (64, 2048)]:
-        assert est.at(b=bb, s=ss, L=n).peak == unr.at(b=bb, s=ss).peak
+    assert_repeat_matches_unrolled(est, sm.estimate(g.unrolled(), policy), n)
     with pytest.raises(ConfigError, match="^L = 1 is not valid: expected at least 2: the block 'layer' "
                                           "treats its first iteration differently"):
         est.at(b=1, s=1, L=1)

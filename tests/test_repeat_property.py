@@ -1,10 +1,10 @@
 """Property: for random blocks, random policies and layer counts, the repeat walked once
 agrees exactly with the unrolled graph (components symbolically, the peak numerically)."""
-import sympy as sp
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import symmem as sm
+from helpers import assert_repeat_matches_unrolled
 from symmem.errors import ShapeError
 from symmem.symbols import L, V, b, h, s
 
@@ -65,11 +65,7 @@ def test_repeat_equals_unrolled(ops, tied, p_drop, policy, n, points):
         assume(False)
     assume(n >= 2 or not any(lhs.is_number for lhs, _, _ in rep.graph.requirements))   # peeled: L >= 2
     g.bindings[L] = n
-    unr = sm.estimate(g.unrolled(), policy)
-    for name, expr in rep.components.items():
-        assert sp.expand(expr.subs(L, n) - unr.components[name]) == 0, name
-    for bb, ss in points:
-        assert rep.at(b=bb, s=ss, L=n).peak == unr.at(b=bb, s=ss).peak, (bb, ss)
+    assert_repeat_matches_unrolled(rep, sm.estimate(g.unrolled(), policy), n, points)
 
 
 def test_the_generator_makes_both_kinds_of_block():
