@@ -103,9 +103,9 @@ def _esc(x) -> str:
 
 
 def _mathml(expr) -> str:
-    """``expr`` as presentation MathML, wrapped in ``<math>``."""
-    body = sp.mathml(sp.sympify(expr), printer="presentation")
-    return f'<math xmlns="http://www.w3.org/1998/Math/MathML">{body}</math>'
+    """``expr`` as inline presentation MathML, with symmem's printer (as the reports)."""
+    from .render import mathml   # render imports this module
+    return mathml(expr, display=False)
 
 
 def _html_table(header, rows, right=()) -> str:
