@@ -190,6 +190,11 @@ class Estimate:
         """The peak live bytes: Max over the non-dominated points, each canonical."""
         return sp.Max(*(canonical(p.total) for p in self.points), evaluate=False)
 
+    @cached_property
+    def totals(self) -> list[sp.Expr]:
+        """Each kept point's live bytes, expanded (the arguments of ``peak``, uncollected)."""
+        return [sp.expand(p.total) for p in self.points]
+
     @property
     def timeline(self) -> list[Point]:
         """Every point of the step, in order (before pruning)."""
@@ -211,7 +216,7 @@ class Estimate:
         import numpy as np
         syms = [symbol(n) for n in names]
         fixed = {k: v for k, v in self.bindings.items() if k not in syms}
-        exprs = ([sp.expand(p.total) for p in self.points] if component == "peak"
+        exprs = (self.totals if component == "peak"
                  else [self.formula(component)])
         fns = []
         for e in exprs:
@@ -252,7 +257,7 @@ class Estimate:
         """Exact integer bytes at ``values`` (e.g. ``b=8, s=1024``), over the model's bindings."""
         subs = self._subs(values)
         comps = {k: self._exact(v, subs, k) for k, v in self.components.items()}
-        totals = [sp.expand(p.total).xreplace(subs) for p in self.points]
+        totals = [t.xreplace(subs) for t in self.totals]
         for t, p in zip(totals, self.points):
             if not t.is_number:
                 missing = sorted(str(x) for x in t.free_symbols)

@@ -128,8 +128,8 @@ class _Peak:
 
     def __init__(self, est: Estimate, x: sp.Symbol, subs: dict):
         self.x, self.fns = x, []
-        for p in est.points:
-            e = sp.expand(sp.expand(p.total).xreplace(subs))
+        for t in est.totals:
+            e = sp.expand(t.xreplace(subs))
             extra = e.free_symbols - {x}
             if extra:
                 names = sorted(str(v) for v in extra)
