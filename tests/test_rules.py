@@ -34,7 +34,8 @@ transformers = pytest.importorskip("transformers")
 
 import symmem as sm  # noqa: E402
 from symmem.measure import saved_bytes  # noqa: E402
-from symmem.rules import get_rule  # noqa: E402
+from symmem.rules import (AUTOCAST, F32, RULES, Ctx, DType, autocast_policy,  # noqa: E402
+                          get_rule, rule)
 from symmem.symbols import B_a, V, a, b, h, s, s_max  # noqa: E402
 
 FP32 = sm.Policy("fp32", "sgd", "cpu")
@@ -776,6 +777,181 @@ def test_which_ops_autocast_casts_on_cpu_and_on_cuda(op, cpu, cuda):
     lines = {line.split(":")[0]: line for line in dump(op).splitlines()}
     assert ("fallthrough" not in lines["AutocastCPU"]) is cpu
     assert ("fallthrough" not in lines["AutocastCUDA"]) is cuda
+
+
+# --------------------------------------------------------------------------- autocast table
+#
+# symmem.rules.autocast records, per device, the cast policy torch.autocast applies to each
+# aten op. The tests below pin it three ways: the ops our rules run, by hand (the CUDA
+# column from the source, the CPU column from the source and from running the ops); the
+# whole table against the kernels the installed PyTorch registers; and the CPU column
+# against the dtypes the ops really return under torch.autocast("cpu", dtype=bfloat16).
+
+LOW, FP32_, SET_OPT = "lower_precision_fp", "fp32", "fp32_set_opt_dtype"
+
+# (aten op, the rule that runs it or None, CUDA policy, CPU policy). CUDA, PyTorch 2.13:
+# aten/src/ATen/autocast_mode.h, AT_FORALL_LOWER_PRECISION_FP (lines 820-853: addmm, matmul,
+# mm, linear, bmm, scaled_dot_product_attention), AT_FORALL_FP32 (855-914: pow.Tensor_Scalar,
+# layer_norm, native_layer_norm, nll_loss), AT_FORALL_FP32_SET_OPT_DTYPE (916-927:
+# softmax.int, log_softmax.int), registered for AutocastCUDA in aten/src/ATen/autocast_mode.cpp,
+# TORCH_LIBRARY_IMPL(aten, Autocast, m). CPU: autocast_mode.cpp,
+# TORCH_LIBRARY_IMPL(aten, AutocastCPU, m), "lower_precision_fp cast policy" (bmm, mm, addmm,
+# linear, matmul, scaled_dot_product_attention) and "fp32 cast policy" (nll_loss,
+# cross_entropy_loss). None: the op falls through (not on any list).
+OUR_AUTOCAST_OPS = [
+    ("linear", "linear", LOW, LOW),
+    ("addmm", "linear", LOW, LOW),                      # GPT-2's Conv1D
+    ("matmul", "matmul", LOW, LOW),
+    ("mm", None, LOW, LOW),
+    ("bmm", None, LOW, LOW),
+    ("scaled_dot_product_attention", None, LOW, LOW),
+    ("layer_norm", "layer_norm", FP32_, None),
+    ("native_layer_norm", None, FP32_, None),
+    ("softmax.int", "softmax", SET_OPT, None),
+    ("log_softmax.int", "log_softmax", SET_OPT, None),
+    ("pow.Tensor_Scalar", "gelu_new", FP32_, None),
+    ("nll_loss", "nll_loss", FP32_, FP32_),
+    ("cross_entropy_loss", None, None, FP32_),          # CUDA: log_softmax + nll_loss, each fp32
+    ("embedding", "embedding", None, None),
+    ("gelu", "gelu", None, None),
+    ("relu", "relu", None, None),
+    ("tanh", "gelu_new", None, None),
+    ("mul.Tensor", "scale", None, None),
+    ("add.Tensor", "add", None, None),
+    ("dropout", "dropout", None, None),
+    ("native_dropout", "dropout", None, None),
+]
+
+
+@pytest.mark.parametrize("op,used_by,cuda,cpu", OUR_AUTOCAST_OPS, ids=[o[0] for o in OUR_AUTOCAST_OPS])
+def test_autocast_table_for_the_ops_of_our_rules(op, used_by, cuda, cpu):
+    assert used_by is None or used_by in RULES
+    assert autocast_policy("cuda", op) == cuda
+    assert autocast_policy("cpu", op) == cpu
+
+
+@pytest.mark.parametrize("device,key", [("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")])
+def test_autocast_table_lists_the_kernels_pytorch_registers(device, key):
+    """Every op of the table, and no other, has a kernel under the device's autocast key in
+    the installed PyTorch (the CPU wheel registers the AutocastCUDA kernels too). A failure
+    after a PyTorch upgrade means the lists changed: update symmem/rules/autocast.py."""
+    get = getattr(torch._C, "_dispatch_get_registrations_for_dispatch_key", None)
+    if get is None:
+        pytest.skip("this PyTorch has no torch._C._dispatch_get_registrations_for_dispatch_key")
+    registered = {name.removeprefix("aten::") for name in get(key) if name.startswith("aten::")}
+    table = set(AUTOCAST[device])
+    assert (sorted(registered - table), sorted(table - registered)) == ([], []), \
+        f"PyTorch {torch.__version__} registers (missing here, extra here) under {key}"
+
+
+def _autocast_case(op):
+    """A call of aten ``op`` on floating tensors of a given dtype (integer indices stay int64)."""
+    def r(*shape):
+        return lambda dt: torch.randn(*shape).to(dt)
+    x, w, ids = r(2, 3, 4), r(5, 4), torch.randint(0, 5, (2, 3))
+    return {
+        "linear": lambda dt: F.linear(x(dt), w(dt)),
+        "addmm": lambda dt: torch.addmm(r(5)(dt), r(6, 4)(dt), r(4, 5)(dt)),
+        "matmul": lambda dt: torch.matmul(x(dt), r(4, 3)(dt)),
+        "mm": lambda dt: torch.mm(r(6, 4)(dt), r(4, 5)(dt)),
+        "bmm": lambda dt: torch.bmm(x(dt), r(2, 4, 3)(dt)),
+        "scaled_dot_product_attention":
+            lambda dt: F.scaled_dot_product_attention(r(1, 2, 3, 4)(dt), r(1, 2, 3, 4)(dt), r(1, 2, 3, 4)(dt)),
+        "layer_norm": lambda dt: F.layer_norm(x(dt), (4,), r(4)(dt), r(4)(dt)),
+        "native_layer_norm": lambda dt: torch.native_layer_norm(x(dt), (4,), r(4)(dt), r(4)(dt), 1e-5)[0],
+        "softmax.int": lambda dt: F.softmax(x(dt), dim=-1),
+        "log_softmax.int": lambda dt: F.log_softmax(x(dt), dim=-1),
+        "pow.Tensor_Scalar": lambda dt: torch.pow(x(dt), 3.0),
+        "nll_loss": lambda dt: F.nll_loss(r(6, 5)(dt), ids.view(-1)),
+        "cross_entropy_loss": lambda dt: F.cross_entropy(r(6, 5)(dt), ids.view(-1)),
+        "embedding": lambda dt: F.embedding(ids, w(dt)),
+        "gelu": lambda dt: F.gelu(x(dt)),
+        "relu": lambda dt: F.relu(x(dt)),
+        "tanh": lambda dt: torch.tanh(x(dt)),
+        "mul.Tensor": lambda dt: x(dt) * x(dt),
+        "add.Tensor": lambda dt: x(dt) + x(dt),
+        "dropout": lambda dt: F.dropout(x(dt), 0.5, training=True),
+        "native_dropout": lambda dt: torch.native_dropout(x(dt), 0.5, True)[0],
+    }[op]
+
+
+@pytest.mark.parametrize("op", [o[0] for o in OUR_AUTOCAST_OPS])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_autocast_table_cpu_column_is_what_cpu_autocast_does(op, dtype):
+    """Run ``op`` on ``dtype`` inputs under torch.autocast("cpu", dtype=torch.bfloat16): the
+    output has the dtype Ctx.autocast_dtype predicts (None: the inputs' dtype). float32
+    inputs tell lower_precision_fp from the rest, bfloat16 inputs tell fp32 from the rest."""
+    ctx = BF16.ctx()
+    sym = F32 if dtype == "float32" else ctx.act
+    want = ctx.autocast_dtype(op, sym)
+    want_name = dtype if want is None else (ctx.act_name if want == ctx.act else want.name)
+    call = _autocast_case(op)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = call(getattr(torch, dtype))
+    assert str(out.dtype) == f"torch.{want_name}", (op, dtype, autocast_policy("cpu", op))
+
+
+def test_ctx_autocast_dtype_maps_each_policy():
+    half = DType("compute", B_a, 2)
+    cuda, cpu = (Ctx(autocast=True, device=d, act=half, act_name="float16") for d in ("cuda", "cpu"))
+    assert cuda.autocast_dtype("linear") == half and cpu.autocast_dtype("linear") == half
+    assert cuda.autocast_dtype("layer_norm") == F32 and cpu.autocast_dtype("layer_norm") is None
+    assert cuda.autocast_dtype("softmax.int") == F32 and cuda.autocast_dtype("norm.Scalar") == F32
+    assert cuda.autocast_dtype("gelu") is None
+    # promote: the widest floating input (float32 over the half dtype)
+    assert cpu.autocast_dtype("cat", half, F32) == F32 and cpu.autocast_dtype("cat", half, half) == half
+    # autocast off: nothing is cast, on either device
+    assert Ctx(autocast=False, device="cuda").autocast_dtype("linear") is None
+    with pytest.raises(sm.ConfigError, match="binary_cross_entropy"):
+        cuda.autocast_dtype("binary_cross_entropy")
+    assert cpu.autocast_dtype("binary_cross_entropy") == F32
+    with pytest.raises(sm.UnknownName, match="unknown autocast device 'tpu'"):
+        Ctx(autocast=True, device="tpu").autocast_dtype("linear")
+
+
+def test_rules_take_their_casts_from_the_table(monkeypatch):
+    """No rule branches on the device for a cast: give the CPU CUDA's table and the casting
+    rules give on the CPU exactly what they give on CUDA."""
+    import symmem.rules.autocast as ac
+
+    g = graph(V=11)
+    x = float_input(g, (b, s, h), dtype="bfloat16")
+    y = g.add("layer_norm", x, params=(g.param("ln.weight", (h,)), g.param("ln.bias", (h,))))
+    q = g.add("linear", y, params=(g.param("w", (h, h)), g.param("bias", (h,))), conv1d=True)
+    q = g.add("heads", q, heads=2)
+    g.add("softmax", g.add("matmul", q, q, transpose_b=True))
+    logits = g.add("linear", y, params=(g.param("lm_head", (V, h)),))
+    g.add("nll_loss", g.add("log_softmax", logits), g.input("labels", (b, s)))
+    cuda = sm.Policy("bf16-mixed", "sgd", "cuda")
+    assert infos(g, BF16) != infos(g, cuda)                 # layer_norm, softmax, log_softmax
+    monkeypatch.setattr(ac, "AUTOCAST", {"cuda": ac.AUTOCAST["cuda"], "cpu": ac.AUTOCAST["cuda"]})
+    assert infos(g, BF16) == infos(g, cuda)
+
+
+def test_rules_do_not_import_the_graph():
+    """symmem.rules reads nodes through the NodeLike protocol, never symmem.graph."""
+    import ast
+    import pathlib
+
+    import symmem.rules
+    for path in pathlib.Path(symmem.rules.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                assert "graph" not in (node.module or ""), (path.name, node.module)
+            elif isinstance(node, ast.Import):
+                assert all("graph" not in a.name for a in node.names), path.name
+
+
+def test_registry_refuses_duplicates_and_overrides_per_call():
+    with pytest.raises(ValueError, match="a rule for 'relu' is already registered"):
+        rule("relu")(lambda node, ins, ctx: None)
+
+    def loud_relu(node, ins, ctx):
+        return get_rule("relu")(node, ins, ctx)
+
+    assert get_rule("relu", overrides={"relu": loud_relu}) is loud_relu
+    assert get_rule("gelu", overrides={"relu": loud_relu}) is RULES["gelu"]
+    assert get_rule("relu") is RULES["relu"] is not loud_relu
 
 
 # --------------------------------------------------------------------------- embeddings

@@ -1,0 +1,61 @@
+"""Memory rules: what each operator holds, with PyTorch eager semantics.
+
+A rule is a small pure function registered with ``@rule("op")``. It receives the
+node, its input tensors (:class:`TensorInfo`: symbolic shape, dtype, contiguity,
+whether it requires grad) and a :class:`Ctx` (autocast on or off, CUDA or CPU),
+and returns a :class:`Footprint`:
+
+- ``out``: the output tensor; ``alias`` = i when the output is a view of input i
+  (it shares that storage and allocates nothing);
+- ``saved``: the tensors autograd saves for backward, each either a reference to
+  an input's or the output's storage (``"in0"``, ``"out"``: no new memory) or a
+  new storage (``"new"``), or an autocast copy of a parameter (``"cast:NAME"``,
+  one per parameter however often it is used: autocast caches it);
+- ``fwd_temp``: bytes that exist only while the op runs;
+- ``grads``: per input, what backward allocates for its gradient: ``"new"`` (a
+  tensor of the input's size and dtype), ``"pass"`` (the output's gradient is
+  handed on, no allocation), ``"slice"`` (a share of one gradient of the whole
+  input, allocated by the first slice to arrive) or ``None`` (no gradient);
+- ``bwd_temp``: bytes that exist only while the op's backward runs (for example
+  the half-precision gradient of an autocast copy before it is cast back).
+
+Parameter gradients are added by lowering (symmem.lowering): a parameter's gradient is
+allocated the first time backward reaches a node that uses it.
+
+Layout (module -> rules):
+
+- ``core``: the vocabulary (:class:`DType`, :class:`TensorInfo`, :class:`Saved`,
+  :class:`Footprint`, :class:`Ctx`) and the registry (:func:`rule`, :func:`get_rule`,
+  ``RULES``, :func:`infer_shape`);
+- ``autocast``: what ``torch.autocast`` does to each aten op, one table per device,
+  from PyTorch's ``autocast_mode.cpp`` / ``autocast_mode.h``; rules ask
+  :meth:`Ctx.autocast_dtype` instead of branching on the device;
+- ``views``: input, carry, split, heads, merge_heads;
+- ``elementwise``: add, scale, dropout, gelu, gelu_new, relu, to_compute, to_float32;
+- ``normalization``: layer_norm, softmax, log_softmax;
+- ``linalg``: linear, matmul;
+- ``embeddings``: embedding, position_embedding, causal_mask;
+- ``losses``: nll_loss.
+
+A new op is a function in the module of its kind (or a new kind module imported
+below). The rules were read off PyTorch's autograd formulas (``derivatives.yaml``)
+and checked against saved-tensor hooks on the CPU (``tests/test_rules.py``).
+Where CPU and CUDA differ the rule says so in its docstring.
+"""
+from __future__ import annotations
+
+from .autocast import AUTOCAST, CAST_POLICIES, autocast_policy
+from .core import (BOOL, F32, F64, I64, RULES, Ctx, DType, Footprint, NodeLike, Rule, Saved,
+                   TensorInfo, get_rule, infer_shape, rule)
+# the kind modules register their rules on import
+from .elementwise import (add_rule, dropout_rule, gelu_new_rule, gelu_rule, relu_rule, scale_rule,
+                          to_compute_rule, to_float32_rule)
+from .embeddings import causal_mask_rule, embedding_rule, position_embedding_rule
+from .linalg import linear_rule, matmul_rule
+from .losses import nll_loss_rule
+from .normalization import layer_norm_rule, log_softmax_rule, softmax_rule
+from .views import carry_rule, heads_rule, input_rule, merge_heads_rule, split_rule
+
+__all__ = ["DType", "TensorInfo", "Saved", "Footprint", "Ctx", "NodeLike", "Rule", "rule",
+           "get_rule", "RULES", "infer_shape", "F32", "F64", "I64", "BOOL", "AUTOCAST",
+           "CAST_POLICIES", "autocast_policy"]

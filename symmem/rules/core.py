@@ -1,0 +1,178 @@
+"""The rules' vocabulary and registry: dtypes, tensors, what an op holds, the context.
+
+Nothing here knows an op; the kind modules (``views``, ``elementwise``,
+``normalization``, ``linalg``, ``embeddings``, ``losses``) register the rules.
+This module does not import :mod:`symmem.graph`: a rule reads a node only through
+:class:`NodeLike` (``name``, ``op``, ``params``, ``attr(key, default)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol
+
+import sympy as sp
+
+from ..errors import ConfigError, UnknownName
+from ..symbols import B_a
+from .autocast import autocast_policy
+
+__all__ = ["DType", "TensorInfo", "Saved", "Footprint", "Ctx", "NodeLike", "Rule", "rule",
+           "get_rule", "RULES", "infer_shape", "F32", "F64", "I64", "BOOL"]
+
+
+@dataclass(frozen=True)
+class DType:
+    """A dtype as the formulas see it: a name, bytes per element, a promotion rank."""
+    name: str
+    nbytes: sp.Expr
+    rank: int  # type promotion: the higher rank wins (float64 > float32 > half > integers)
+
+
+F64 = DType("float64", sp.Integer(8), 4)
+F32 = DType("float32", sp.Integer(4), 3)
+I64 = DType("int64", sp.Integer(8), 0)
+BOOL = DType("bool", sp.Integer(1), 0)
+
+
+class NodeLike(Protocol):
+    """What a rule reads of a node (:class:`symmem.graph.Node` is one): its name (for
+    errors), its op, its parameters (each with ``name``, ``shape`` and ``numel``) and
+    its attributes."""
+    name: str
+    op: str
+    params: tuple
+
+    def attr(self, key: str, default=None): ...
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What the rules need to know of the policy.
+
+    ``act`` is the dtype activations are computed in (autocast's half dtype, or the
+    model dtype without autocast), priced ``B_a``; ``act_name`` is the torch dtype it
+    stands for, so that rules can tell a no-op cast from a copy.
+    """
+    autocast: bool = False
+    device: str = "cuda"
+    act: DType = DType("compute", B_a, 3)
+    act_name: str = "float32"
+
+    def same(self, x: DType, y: DType) -> bool:
+        """Are x and y the same torch dtype? ``act`` is the dtype called ``act_name``."""
+        def name(d):
+            return self.act_name if d == self.act else d.name
+        return name(x) == name(y)
+
+    @property
+    def param_dtype(self) -> DType:
+        """The dtype the parameters are stored in: float32 under autocast (the weights
+        are the master copy), the compute dtype otherwise. Ops that autocast leaves
+        alone and that read a weight (embedding) produce this dtype."""
+        return F32 if self.autocast else self.act
+
+    def autocast_dtype(self, op: str, *inputs: DType) -> DType | None:
+        """The dtype ``torch.autocast`` runs aten ``op`` in on this device, from the
+        table in :mod:`symmem.rules.autocast`: ``act`` (lower_precision_fp), float32
+        (fp32, fp32_set_opt_dtype, fp32_append_dtype), or for ``promote`` float32 if any
+        of ``inputs`` is float32 and ``act`` otherwise. None when autocast is off or
+        leaves the op alone (the op runs in its inputs' dtypes)."""
+        if not self.autocast:
+            return None
+        policy = autocast_policy(self.device, op)
+        if policy is None:
+            return None
+        if policy == "lower_precision_fp":
+            return self.act
+        if policy == "promote":
+            return F32 if any(self.same(d, F32) for d in inputs) else self.act
+        if policy == "banned":
+            raise ConfigError(f"op under torch.autocast on {self.device}", op,
+                              "an op that autocast allows", "Use the op's *_with_logits form.")
+        return F32
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple
+    dtype: DType
+    contiguous: bool = True
+    requires_grad: bool = True
+
+    @property
+    def numel(self) -> sp.Expr:
+        return sp.Mul(*self.shape) if self.shape else sp.Integer(1)
+
+    @property
+    def nbytes(self) -> sp.Expr:
+        return self.numel * self.dtype.nbytes
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor saved for backward: ``ref`` is "inI", "out", "new" or "cast:PARAM"."""
+    label: str
+    ref: str
+    numel: sp.Expr = sp.Integer(0)
+    dtype: DType = F32
+
+    @property
+    def nbytes(self) -> sp.Expr:
+        return self.numel * self.dtype.nbytes
+
+
+@dataclass(frozen=True)
+class Footprint:
+    out: TensorInfo
+    alias: int | None = None
+    saved: tuple[Saved, ...] = ()
+    fwd_temp: sp.Expr = sp.Integer(0)
+    grads: tuple = ()
+    bwd_temp: sp.Expr = sp.Integer(0)
+    # Gradients made by cast-back nodes (autocast's ToCopyBackward) after this node's saved
+    # tensors and output gradient are released: these inputs' and (late_params) the
+    # parameters'. The half-precision gradients they cast are in bwd_temp.
+    late_inputs: tuple = ()
+    late_params: bool = False
+
+
+Rule = Callable[[NodeLike, list, Ctx], Footprint]
+RULES: dict[str, Rule] = {}
+
+
+def rule(op: str):
+    """Register ``fn`` as the rule of ``op``; an op has one rule (duplicates are refused:
+    to try another rule for one call, pass it to :func:`get_rule` in ``overrides``)."""
+    def deco(fn: Rule) -> Rule:
+        if op in RULES:
+            raise ValueError(f"a rule for {op!r} is already registered ({RULES[op].__name__})")
+        RULES[op] = fn
+        return fn
+    return deco
+
+
+def get_rule(op: str, overrides: Mapping[str, Rule] | None = None) -> Rule:
+    """The rule of ``op``: ``overrides[op]`` if given there, else the registered one."""
+    if overrides and op in overrides:
+        return overrides[op]
+    try:
+        return RULES[op]
+    except KeyError:
+        raise UnknownName("op", op, tuple(sorted(RULES))) from None
+
+
+def infer_shape(node: NodeLike, shapes: list) -> tuple:
+    """The output shape of ``node`` given its input shapes (dtype-independent)."""
+    ins = [TensorInfo(tuple(sh), F32) for sh in shapes]
+    return get_rule(node.op)(node, ins, Ctx()).out.shape
+
+
+# ----- helpers shared by the kind modules (not public) -------------------------------
+def _grads(ins, mode="new"):
+    """Per input, ``mode`` if it requires grad, else None (no gradient)."""
+    return tuple(mode if x.requires_grad else None for x in ins)
+
+
+def _promote(*dts: DType) -> DType:
+    """Type promotion: the highest rank wins; of equal ranks, the first."""
+    return max(dts, key=lambda d: d.rank)

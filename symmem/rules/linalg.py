@@ -1,0 +1,74 @@
+"""Linear algebra: linear (``nn.Linear``, GPT-2's ``Conv1D``) and matmul. Autocast
+casts all of them to its half dtype on CUDA and on the CPU (``linear``, ``addmm``,
+``matmul``: lower_precision_fp lists; see :mod:`symmem.rules.autocast`)."""
+from __future__ import annotations
+
+import sympy as sp
+
+from ..errors import ShapeError
+from .core import Footprint, Saved, TensorInfo, _grads, _promote, rule
+
+__all__ = ["linear_rule", "matmul_rule"]
+
+
+@rule("linear")
+def linear_rule(node, ins, ctx):
+    """``y = x W^T (+ bias)`` (``nn.Linear``) or ``y = x W + bias`` (GPT-2's ``Conv1D``,
+    attribute ``conv1d=True``): addmm / mm save the 2-D input (a view of x) and the weight.
+
+    Under autocast (``aten::linear`` and ``aten::addmm`` are on the lower-precision
+    list of both devices) the input is cast to the half dtype (that copy is what is
+    saved) and so is the weight: the copy is cached for the forward pass, so a parameter
+    used twice is cast once, and it is held until backward. Backward computes the input
+    gradient and the weight gradient in the half dtype and casts them back to float32."""
+    x = ins[0]
+    w = node.params[0]
+    out_features = w.shape[1] if node.attr("conv1d") else w.shape[0]
+    in_features = w.shape[0] if node.attr("conv1d") else w.shape[1]
+    if sp.simplify(x.shape[-1] - in_features) != 0:
+        raise ShapeError(node.name, x.shape, f"a last dimension of {in_features}")
+    cast = ctx.autocast_dtype("addmm" if node.attr("conv1d") else "linear")
+    out = TensorInfo(tuple(x.shape[:-1]) + (out_features,), x.dtype if cast is None else cast)
+    saved, bwd_temp, late = [], sp.Integer(0), ()
+    if cast is not None:
+        if not ctx.same(x.dtype, cast):
+            late = (0,)
+            saved.append(Saved("input (autocast copy)", "new", x.numel, cast))
+            bwd_temp += x.numel * cast.nbytes if x.requires_grad else 0
+        else:
+            saved.append(Saved("input", "in0"))
+        if x.requires_grad:   # addmm keeps the weight only to compute the input's gradient
+            saved.append(Saved("weight (autocast copy)", f"cast:{w.name}", w.numel, cast))
+        bwd_temp += sum((p.numel for p in node.params), sp.Integer(0)) * cast.nbytes
+    else:
+        saved.append(Saved("input", "in0"))
+    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, late_inputs=late,
+                     late_params=cast is not None)
+
+
+@rule("matmul")
+def matmul_rule(node, ins, ctx):
+    """``torch.matmul(x, y)`` (or ``x @ y.transpose(-1, -2)`` with ``transpose_b=True``)
+    on 4-D tensors: matmul reshapes each operand to 3-D for bmm; a non-contiguous operand
+    (a head view (b, a, s, d) of a (b, s, 3h) tensor) is copied, and bmm saves both 3-D
+    operands. Under autocast (``aten::matmul``: lower-precision list on both devices) the
+    operands are cast to the half dtype first (a copy when they are not). (At b = 1 or
+    a = 1 a head view reshapes without a copy and the whole qkv storage is saved
+    instead: the same bytes for q, k and v together, not counted so.)"""
+    x, y = ins
+    m, kx = x.shape[-2], x.shape[-1]
+    ky, n = (y.shape[-1], y.shape[-2]) if node.attr("transpose_b") else (y.shape[-2], y.shape[-1])
+    if sp.simplify(kx - ky) != 0:
+        raise ShapeError(node.name, (x.shape, y.shape), "inner dimensions that agree")
+    dt = ctx.autocast_dtype("matmul")
+    if dt is None:
+        dt = _promote(x.dtype, y.dtype)
+    saved = []
+    for i, (t, label) in enumerate(((x, "left operand"), (y, "right operand"))):
+        # a transposed contiguous operand reshapes to 3-D as a view: bmm saves that view
+        if not ctx.same(t.dtype, dt) or not t.contiguous:
+            saved.append(Saved(f"{label} (contiguous copy)", "new", t.numel, dt))
+        else:
+            saved.append(Saved(label, f"in{i}"))
+    out = TensorInfo(tuple(x.shape[:-2]) + (m, n), dt)
+    return Footprint(out, saved=tuple(saved), grads=_grads(ins))

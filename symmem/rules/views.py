@@ -1,0 +1,62 @@
+"""Inputs and views: graph inputs, the repeated block's carried value, and the
+reshapes of attention (split, heads, merge_heads). Views allocate nothing and save
+nothing; ``merge_heads`` copies (the reshape of a non-contiguous tensor)."""
+from __future__ import annotations
+
+import sympy as sp
+
+from ..errors import ShapeError
+from .core import BOOL, F32, F64, I64, DType, Footprint, TensorInfo, _grads, rule
+
+__all__ = ["input_rule", "carry_rule", "split_rule", "heads_rule", "merge_heads_rule"]
+
+
+@rule("input")
+def input_rule(node, ins, ctx):
+    """A tensor handed to the model (token ids, labels; no gradient by default)."""
+    from ..dtypes import dtype_bytes
+    name = node.attr("dtype", "int64")
+    known = {"int64": I64, "float32": F32, "bool": BOOL, "float64": F64}
+    dt = known.get(name) or DType(name, dtype_bytes(name), 2)
+    return Footprint(TensorInfo(node.attr("shape"), dt, requires_grad=bool(node.attr("requires_grad"))))
+
+
+@rule("carry")
+def carry_rule(node, ins, ctx):
+    """The value a repeated block receives: the same tensor, nothing allocated."""
+    return Footprint(ins[0], alias=0, grads=("pass",))
+
+
+@rule("split")
+def split_rule(node, ins, ctx):
+    """``x.split(size, dim=-1)[index]``: a view. Backward (SplitBackward) concatenates the
+    pieces' gradients into one gradient of the whole input."""
+    x = ins[0]
+    parts = node.attr("parts")
+    last = x.shape[-1]
+    if sp.simplify(last % parts) != 0:
+        raise ShapeError(node.name, x.shape, f"a last dimension divisible by {parts}")
+    out = TensorInfo(x.shape[:-1] + (last / parts,), x.dtype, False, x.requires_grad)
+    return Footprint(out, alias=0, grads=_grads(ins, "slice"))
+
+
+@rule("heads")
+def heads_rule(node, ins, ctx):
+    """``x.view(b, s, a, d).transpose(1, 2)``: (b, s, h) -> (b, a, s, h/a), a view."""
+    x = ins[0]
+    a = sp.sympify(node.attr("heads"))
+    if len(x.shape) != 3:
+        raise ShapeError(node.name, x.shape, "a (batch, sequence, hidden) tensor")
+    bb, ss, hh = x.shape
+    out = TensorInfo((bb, a, ss, hh / a), x.dtype, False, x.requires_grad)
+    return Footprint(out, alias=0, grads=_grads(ins, "pass"))
+
+
+@rule("merge_heads")
+def merge_heads_rule(node, ins, ctx):
+    """``x.transpose(1, 2).reshape(b, s, h)``: the transpose is a view, the reshape of a
+    non-contiguous tensor copies. Backward hands the gradient on as views."""
+    x = ins[0]
+    bb, aa, ss, dd = x.shape
+    return Footprint(TensorInfo((bb, ss, aa * dd), x.dtype, True, x.requires_grad),
+                     grads=_grads(ins, "pass"))
