@@ -1,19 +1,40 @@
 """GPT-2 (and GPT-3's dense architecture) as Hugging Face's ``GPT2LMHeadModel`` runs it
-with ``attn_implementation="eager"``.
+with ``attn_implementation="eager"``: the GPT-2 family of the model registry.
 
 Every dimension stays a symbol (``b, s, h, a, L, V, s_max`` and ``f`` when the config
 sets ``n_inner``); the config's numbers travel beside the graph as bindings.
+
+What a ``config.json`` key does here (checked against transformers 5's
+``configuration_gpt2.py`` and ``modeling_gpt2.py``, and measured on the CPU with
+``symmem.measure``; ``tests/test_models.py`` holds the checks):
+
+* modelled: the fields of :class:`GPT2Config` (sizes, ``n_inner``, the activation,
+  the three dropout probabilities, ``tie_word_embeddings``), also under Hugging Face's
+  generic names (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+  ``max_position_embeddings``);
+* refused unless at the default (:data:`UNMODELLED`): ``reorder_and_upcast_attn``
+  (float32 copies of Q, K and the scores), ``add_cross_attention`` (a second attention
+  per layer: 4h^2 + 6h parameters), ``attn_implementation`` other than eager (SDPA and
+  flash attention save other tensors), ``gradient_checkpointing`` (recomputation);
+* ignored (:data:`IGNORED`, each with its reason): among others ``scale_attn_weights``
+  and ``scale_attn_by_inverse_layer_idx`` (transformers 5 folds both into the one
+  scalar eager attention always multiplies by), ``layer_norm_epsilon``, ``use_cache``
+  (a training step keeps only the loss) and the ``summary_*`` keys of the
+  double-heads model.
+
+The presets are OpenAI's four GPT-2 checkpoints, DistilGPT2 and GPT-3 175B's shape.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from ..errors import ConfigError, UnknownName
 from ..graph import Graph
 from ..symbols import L, V, a, b, f, h, s, s_max
+from .registry import BOOKKEEPING, Family, Unmodelled, register
 
-__all__ = ["GPT2Config", "build_gpt2", "ACTIVATIONS", "PRESETS"]
+__all__ = ["GPT2Config", "build_gpt2", "ACTIVATIONS", "PRESETS", "HF_IDS", "ALIASES", "REQUIRED",
+           "UNMODELLED", "IGNORED", "FAMILY"]
 
 #: Hugging Face activation names -> the op symmem models them with.
 ACTIVATIONS = {"gelu_new": "gelu_new", "gelu": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
@@ -21,7 +42,9 @@ ACTIVATIONS = {"gelu_new": "gelu_new", "gelu": "gelu", "gelu_pytorch_tanh": "gel
 
 @dataclass(frozen=True)
 class GPT2Config:
-    """The fields of Hugging Face's GPT2Config that decide memory, with its defaults."""
+    """The fields of Hugging Face's GPT2Config that decide memory, with its defaults.
+
+    ``n_inner`` None means ``4 * n_embd`` (Hugging Face's rule); ``name`` names the graph."""
     n_embd: int = 768
     n_layer: int = 12
     n_head: int = 12
@@ -32,7 +55,6 @@ class GPT2Config:
     resid_pdrop: float = 0.1
     embd_pdrop: float = 0.1
     attn_pdrop: float = 0.1
-    scale_attn_weights: bool = True
     tie_word_embeddings: bool = True
     name: str = "gpt2"
 
@@ -94,8 +116,9 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
         q, k, v = (g.add("heads", g.add("split", qkv, parts=3, index=i, name=f"h/attn/{n}"),
                          heads=a, name=f"h/attn/{n}_heads") for i, n in enumerate("qkv"))
         z = g.add("matmul", q, k, transpose_b=True, name="h/attn/scores")
-        if cfg.scale_attn_weights:
-            z = g.add("scale", z, name="h/attn/scale")
+        # eager_attention_forward multiplies by `scaling` whatever scale_attn_weights says
+        # (1.0 when it is false): the same tensors either way.
+        z = g.add("scale", z, name="h/attn/scale")
         z = g.add("add", z, mask, name="h/attn/mask")
         z = g.add("softmax", z, name="h/attn/softmax")
         z = g.add("to_compute", z, name="h/attn/probs")
@@ -124,11 +147,86 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
     return g
 
 
-#: Published configurations. GPT-3 175B: Brown et al. 2020, Table 2.1 (n_ctx 2048).
+#: Published configurations. GPT-2: Radford et al. 2019 and the Hugging Face checkpoints;
+#: DistilGPT2: Sanh et al. 2019 (6 layers); GPT-3 175B: Brown et al. 2020, Table 2.1 (n_ctx 2048).
 PRESETS: dict[str, GPT2Config] = {
     "gpt2": GPT2Config(name="gpt2"),
     "gpt2-medium": GPT2Config(n_embd=1024, n_layer=24, n_head=16, name="gpt2-medium"),
     "gpt2-large": GPT2Config(n_embd=1280, n_layer=36, n_head=20, name="gpt2-large"),
     "gpt2-xl": GPT2Config(n_embd=1600, n_layer=48, n_head=25, name="gpt2-xl"),
+    "distilgpt2": GPT2Config(n_layer=6, name="distilgpt2"),
     "gpt3-175b": GPT2Config(n_embd=12288, n_layer=96, n_head=96, n_positions=2048, name="gpt3-175b"),
 }
+
+#: Hugging Face repositories of the presets (GPT-3's weights were never published).
+HF_IDS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2-medium",
+          "gpt2-large": "openai-community/gpt2-large", "gpt2-xl": "openai-community/gpt2-xl",
+          "distilgpt2": "distilbert/distilgpt2"}
+
+#: Hugging Face's GPT2Config.attribute_map: the generic names map onto GPT-2's own.
+ALIASES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer",
+           "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}
+
+#: The sizes a config.json must give; every other field takes transformers' default.
+REQUIRED = ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")
+
+#: Keys that change memory in GPT2LMHeadModel and that symmem models at one setting only.
+UNMODELLED = (
+    Unmodelled("reorder_and_upcast_attn", (False,),
+               "the reordered attention runs baddbmm and softmax in float32 and saves float32 "
+               "copies of Q, K and the scores"),
+    Unmodelled("add_cross_attention", (False,),
+               "cross-attention adds a second attention and layer norm to every layer: "
+               "4*h^2 + 6*h parameters more per layer"),
+    Unmodelled("attn_implementation", (None, "eager"),
+               "SDPA and flash attention save other tensors than the eager attention"),
+    Unmodelled("_attn_implementation", (None, "eager"),
+               "SDPA and flash attention save other tensors than the eager attention"),
+    Unmodelled("gradient_checkpointing", (False,),
+               "transformers then recomputes every block in backward; symmem models no "
+               "recomputation yet"),
+)
+
+_DOUBLE_HEADS = "read only by GPT2DoubleHeadsModel's multiple-choice head; symmem models GPT2LMHeadModel"
+_CLASSIFIER = "read only by the classification heads; symmem models GPT2LMHeadModel"
+
+#: Keys read and deliberately ignored: none changes a tensor of a GPT2LMHeadModel training
+#: step (the scale and use_cache decisions are measured in tests/test_models.py).
+IGNORED = {
+    **BOOKKEEPING,
+    "scale_attn_weights": "eager attention multiplies the scores by `scaling` either way (1.0 "
+                          "when false): the same tensors",
+    "scale_attn_by_inverse_layer_idx": "folded into the same `scaling` scalar: the same tensors",
+    "layer_norm_epsilon": "a number inside layer norm, not a tensor",
+    "initializer_range": "initialisation only",
+    "use_cache": "a training step keeps only the loss, so the KV cache goes with the output "
+                 "before backward; symmem models use_cache=False",
+    "output_attentions": "the returned tensors go with the output before backward",
+    "output_hidden_states": "the returned tensors go with the output before backward",
+    "dtype": "the weights' dtype when loading: the precision policy prices every role instead",
+    "torch_dtype": "the weights' dtype when loading: the precision policy prices every role instead",
+    "chunk_size_feed_forward": "GPT-2 never chunks its feed-forward",
+    "is_encoder_decoder": "GPT-2 is a decoder; read only by generation",
+    "n_ctx": "an old name of n_positions that transformers no longer reads",
+    "n_special": "an old key transformers no longer reads",
+    "predict_special_tokens": "an old key transformers no longer reads",
+    **{k: _DOUBLE_HEADS for k in ("summary_type", "summary_use_proj", "summary_activation",
+                                  "summary_proj_to_labels", "summary_first_dropout",
+                                  "summary_last_dropout")},
+    **{k: _CLASSIFIER for k in ("problem_type", "num_labels", "classifier_dropout", "hidden_dropout")},
+}
+
+FAMILY = register(Family(
+    name="gpt2",
+    description="GPT-2 and GPT-3's dense architecture, as Hugging Face's GPT2LMHeadModel runs "
+                "them (eager attention, Conv1D projections, learned positions, tied head)",
+    config=GPT2Config,
+    build=build_gpt2,
+    model_types=("gpt2",),
+    aliases=ALIASES,
+    required=REQUIRED,
+    presets=PRESETS,
+    hf_ids=HF_IDS,
+    unmodelled=UNMODELLED,
+    ignored=IGNORED,
+))
