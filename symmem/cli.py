@@ -19,13 +19,13 @@ import textwrap
 import sympy as sp
 
 from . import __version__, models
-from .dtypes import format_bytes
+from .printing import format_bytes
 from .engine import COMPONENTS, canonical, estimate
 from .errors import ConfigError, SymmemError
 from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
-from .render import latex as render_latex_expr
-from .policy import DEVICES, IMPLEMENTATIONS, OPTIMIZERS, PRECISIONS, Policy
-from .schedule import ROLES
+from .printing import latex as render_latex_expr
+from .policy import PARTS, Policy
+from .plan import ROLES
 from .symbols import B_w
 
 __all__ = ["main", "build_parser"]
@@ -89,7 +89,9 @@ def positive_int(text: str) -> int:
 
 def _model_options(p):
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="NAME", help=f"a preset: {', '.join(models.PRESETS)}")
+    src.add_argument("--model", metavar="NAME",
+                     help="a preset, by name or Hugging Face id, any case (e.g. gpt2, "
+                          "openai-community/gpt2-medium); symmem models lists them")
     src.add_argument("--config", metavar="PATH",
                      help="a local Hugging Face config.json, or the folder holding one "
                           "(nothing is downloaded)")
@@ -97,16 +99,14 @@ def _model_options(p):
 
 
 def _policy_options(p):
-    # Names are checked by Policy (exit 1, with a "did you mean" hint), not by argparse choices.
-    p.add_argument("--precision", metavar="NAME", default="fp32",
-                   help=f"{' | '.join(PRECISIONS)} (default: %(default)s)")
-    p.add_argument("--optimizer", metavar="NAME", default="adamw",
-                   help=f"{' | '.join(OPTIMIZERS)} (default: %(default)s)")
-    p.add_argument("--device", metavar="NAME", default="cuda",
-                   help=f"{' | '.join(DEVICES)} (default: %(default)s)")
-    p.add_argument("--implementation", metavar="NAME", default="auto",
-                   help=f"optimizer implementation: {' | '.join(IMPLEMENTATIONS)} (default: "
-                        "%(default)s = PyTorch's default: foreach on cuda, for-loop on cpu)")
+    """One option per policy part (symmem.policy.PARTS), its names listed from the part's
+    registry. Names are checked by Policy (exit 1, with a "did you mean" hint), not by
+    argparse choices."""
+    for part in PARTS:
+        names = f": {' | '.join(part.registry.names())}" if part.registry is not None else ""
+        p.add_argument(part.option, dest=part.field, metavar=part.metavar, default=part.default,
+                       type=int if part.field == "accumulate" else str,
+                       help=f"{part.help}{names} (default: {part.default})".replace("%", "%%"))
 
 
 def _budget_options(p):
@@ -175,9 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
     _budget_options(sv)
     sv.set_defaults(func=cmd_solve, direction="max")
 
-    lst = sub.add_parser("models", help="list the preset models",
-                         description="List the preset models --model accepts.")
+    lst = sub.add_parser("models", help="list the model families and their presets",
+                         description="List the model families (the Hugging Face model_type each\n"
+                                     "reads with --config) and their presets (what --model accepts,\n"
+                                     "by name or Hugging Face id), with exact parameter counts.",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    lst.add_argument("--format", default="table", choices=("table", "json"),
+                     help="(default: %(default)s)")
     lst.set_defaults(func=cmd_models)
+    pol = sub.add_parser("policies", help="list the policy parts and the names each accepts",
+                         description="List every part of a training policy (the options\n"
+                                     "estimate, max-batch, solve, sweep and report take), with the\n"
+                                     "names each accepts and what they mean.",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    pol.set_defaults(func=cmd_policies)
     gp = sub.add_parser("gpus", help="list the GPU catalog",
                         description="List the GPUs --gpu accepts, with the capacity each reports.")
     gp.set_defaults(func=cmd_gpus)
@@ -221,8 +232,16 @@ def _preset_estimate(name: str, policy: Policy):
 
 
 def _policy(args) -> Policy:
-    return Policy(precision=args.precision, optimizer=args.optimizer, device=args.device,
-                  implementation=args.implementation)
+    return Policy(**{part.field: getattr(args, part.field) for part in PARTS})
+
+
+def policy_inputs(policy: Policy) -> dict:
+    """The policy as JSON ``inputs`` print it: every part by name, and the implementation
+    PyTorch would pick for ``auto``."""
+    out = {part.field: getattr(policy, part.field) for part in PARTS}
+    out["recompute"] = str(policy.recompute)
+    out["implementation_resolved"] = policy.impl
+    return out
 
 
 def _load(args, policy: Policy):
@@ -254,10 +273,7 @@ def _report(args, policy: Policy) -> dict:
         "json": {
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
-                       "seq": args.seq, "precision": policy.precision,
-                       "optimizer": policy.optimizer, "device": policy.device,
-                       "implementation": policy.implementation,
-                       "implementation_resolved": policy.impl},
+                       "seq": args.seq, **policy_inputs(policy)},
             "bindings": {str(k): _number(v) for k, v in bindings.items()},
             "parameters": int(est.components["params"].xreplace({**bindings, B_w: 1})),
             "bytes": {k: ev.bytes[k] for k in (*COMPONENTS, "peak")},
@@ -497,6 +513,26 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_policies(args) -> int:
+    """Each policy part: its option and default, then its names with their meaning."""
+    from .policy import RECOMPUTE
+    for part in PARTS:
+        print(textwrap.fill(f"{part.option} {part.metavar}  (default: {part.default}): {part.help}", WIDTH,
+                            subsequent_indent="    ", break_on_hyphens=False))
+        if part.field == "recompute":
+            entries = [(m.syntax, m.description) for m in RECOMPUTE.values()]
+        elif part.registry is not None:
+            entries = [(e.name, e.description) for e in part.registry.values()]
+        else:
+            entries = [("K", "a whole number >= 1 (1: no gradient accumulation)")]
+        width = max(len(n) for n, _ in entries) + 4
+        for name, text in entries:
+            print(textwrap.fill(text, WIDTH, initial_indent=f"  {name:<{width}}",
+                                subsequent_indent=" " * (width + 2), break_on_hyphens=False))
+        print()
+    return 0
+
+
 def cmd_gpus(args) -> int:
     print(f"{'name':<12}{'bytes':>18}{'GiB':>9}  marketing")
     for g in CATALOG.values():
@@ -506,10 +542,39 @@ def cmd_gpus(args) -> int:
 
 # --------------------------------------------------------------------------- models
 
+MODEL_COLUMNS = (("parameters", "parameters"), ("L", "layers"), ("h", "hidden"), ("a", "heads"),
+                 ("V", "vocab"), ("s_max", "positions"))
+
+
 def cmd_models(args) -> int:
-    print(f"{'name':<14}{'n_embd':>8}{'n_layer':>9}{'n_head':>8}{'n_positions':>13}{'vocab_size':>12}")
-    for name, c in models.PRESETS.items():
-        print(f"{name:<14}{c.n_embd:>8}{c.n_layer:>9}{c.n_head:>8}{c.n_positions:>13}{c.vocab_size:>12}")
+    """Families, then their presets: exact parameter count, L, h, a, V, s_max, Hugging Face id."""
+    rows = models.summaries()
+    if args.format == "json":
+        out = [{"name": fam.name, "description": fam.description, "model_types": list(fam.model_types),
+                "presets": [{k: v for k, v in vars(r).items() if k != "family"}
+                            for r in rows if r.family == fam.name]}
+               for fam in models.families()]
+        print(json.dumps({"families": out}, indent=2))
+        return 0
+    print("Presets for --model (by name or Hugging Face id); model_type: what --config reads.")
+    print("L layers, h hidden size, a heads, V vocabulary, s_max positions.")
+    for fam in models.families():
+        print()
+        print(textwrap.fill(f"{fam.name}: {fam.description}", WIDTH, subsequent_indent="  "))
+        print(f"  model_type: {', '.join(fam.model_types)}")
+        table = [("preset", *(head for head, _ in MODEL_COLUMNS), "Hugging Face id")]
+        table += [(r.name, *("-" if getattr(r, attr) is None else f"{getattr(r, attr):,}"
+                             for _, attr in MODEL_COLUMNS), r.hf_id or "-")
+                  for r in rows if r.family == fam.name]
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+        for row in table:
+            count, *sizes = (c.rjust(w) for c, w in zip(row[1:-1], widths[1:]))
+            line = f"  {row[0].ljust(widths[0])}  {count}  {' '.join(sizes)}"
+            if len(line) + 2 + len(row[-1]) <= WIDTH:
+                print(f"{line}  {row[-1]}")
+            else:                              # the id on a line of its own, under the name
+                print(line)
+                print(f"    {row[-1]}")
     return 0
 
 
@@ -600,6 +665,22 @@ def _report_source(args) -> None:
         args.model, args.config = src, None
 
 
+def _report_answer(est, args, seq):
+    """``(budget, solution)`` for the report: with --gpu or --budget, the Budget (less
+    --reserve) and what max_batch gives at ``seq``, a Solution or the Infeasible it raised
+    (the report says that nothing fits); else ``(None, None)``."""
+    from .errors import Infeasible
+    from .gpus import budget as make_budget
+    from .solve import max_batch
+    if args.gpu is None and args.budget is None:
+        return None, None
+    bud = make_budget(gpu=args.gpu, bytes=args.budget, reserve=args.reserve)
+    try:
+        return bud, max_batch(est, bud, s=seq)
+    except Infeasible as e:
+        return bud, e
+
+
 def cmd_report(args) -> int:
     from .render import render
     _report_source(args)
@@ -613,8 +694,9 @@ def cmd_report(args) -> int:
             raise ConfigError("--seq", None, "a sequence length: this model has no maximum to "
                               "default to", "Pass --seq S.")
         seq = int(seq)
-    text = render(est, args.format, b=args.batch, s=seq, budget=args.budget, gpu=args.gpu,
-                  reserve=args.reserve, title=args.title)
+    bud, sol = _report_answer(est, args, seq)
+    text = render(est, args.format, b=args.batch, s=seq, solution=sol, budget=bud,
+                  title=args.title)
     if args.output is None:
         sys.stdout.write(text)
         return 0
@@ -630,7 +712,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_formula(args) -> int:
-    from .render import latex
+    from .printing import latex
     policy = _policy(args)
     est = _load(args, policy)
     expr = est.formula(args.component)

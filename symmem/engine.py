@@ -9,18 +9,20 @@ Formulas are kept canonical with ``expand`` and ``collect`` (never ``simplify``)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
-from math import comb
 from functools import cached_property
 
 import sympy as sp
 
-from .dtypes import format_bytes
 from .errors import ConfigError
 from .graph import Graph
 from .policy import Policy
-from .schedule import ROLES, Point, Walk, walk
-from .symbols import DIMENSIONS, L, b, s, symbol
+from .bounds import provably_nonneg, prune
+from .counter import Point, Timeline, count
+from .lowering import lower
+from .plan import ROLES, Plan
+from .printing import (format_bytes, html_escape, html_table, latex, mathml, tex_number,
+                       tex_values, values_text)
+from .symbols import L, b, s, symbol
 
 __all__ = ["estimate", "Estimate", "Evaluation", "canonical", "provably_nonneg"]
 
@@ -32,96 +34,9 @@ def canonical(expr) -> sp.Expr:
     return sp.collect(sp.expand(expr), [L, b, s])
 
 
-def provably_nonneg(expr) -> bool:
-    """True when ``expr >= 0`` follows from the assumptions (dimensions >= 1, bytes > 0)."""
-    e = sp.expand(expr)
-    if e == 0:
-        return True
-    num, den = sp.fraction(sp.together(e))
-    gens = sorted(num.free_symbols | den.free_symbols, key=str)
-    cn, cd = _shifted_coeffs(num, gens), _shifted_coeffs(den, gens)
-    return cn is not None and cd is not None and all(c >= 0 for c in cn.values()) \
-        and all(c >= 0 for c in cd.values())
-
-
-def _shifted_coeffs(e, gens) -> dict | None:
-    """Coefficients of ``e`` as a polynomial in (x - 1) for each dimension x and in the
-    byte prices; None when ``e`` is not a polynomial. All of them >= 0 proves e >= 0."""
-    if not gens:
-        return {(): Fraction(int(e.p), int(e.q))} if e.is_Rational else None
-    try:
-        coeffs = sp.Poly(e, *gens).as_dict()
-    except sp.PolynomialError:
-        return None
-    if not all(c.is_Rational for c in coeffs.values()):
-        return None
-    shifted = [i for i, g in enumerate(gens) if g in DIMENSIONS]
-    out: dict = {}
-    for mono, c in coeffs.items():
-        # x^e = ((x - 1) + 1)^e = sum_j C(e, j) (x - 1)^j, for each dimension x
-        terms = [(mono, Fraction(int(c.p), int(c.q)))]
-        for i in shifted:
-            terms = [(m[:i] + (j,) + m[i + 1:], v * comb(m[i], j))
-                     for m, v in terms for j in range(m[i] + 1)]
-        for m, v in terms:
-            out[m] = out.get(m, 0) + v
-    return out
-
-
-def _dominates(cj: dict, ci: dict) -> bool:
-    """Does the polynomial with coefficients cj minus the one with ci have none negative?"""
-    return all(cj.get(m, 0) - c >= 0 for m, c in ci.items()) and \
-        all(c >= 0 for m, c in cj.items() if m not in ci)
-
-
 def _prune(points: list[Point]) -> list[Point]:
     """Drop points that another point provably dominates (of equal ones, keep the first)."""
-    totals = [sp.expand(p.total) for p in points]
-    gens = sorted(set().union(*(t.free_symbols for t in totals)), key=str)
-    coeffs = [_shifted_coeffs(t, gens) for t in totals]
-    keep = []
-    for i, ci in enumerate(coeffs):
-        if ci is None:
-            keep.append(i)
-            continue
-        dominated = False
-        for j, cj in enumerate(coeffs):
-            if j == i or cj is None or not _dominates(cj, ci):
-                continue
-            if j < i or not _dominates(ci, cj):   # strictly larger, or an earlier equal
-                dominated = True
-                break
-        if not dominated:
-            keep.append(i)
-    return [points[i] for i in keep]
-
-
-# ----- display helpers (Jupyter): HTML tables and MathML -----------------------------
-def _esc(x) -> str:
-    import html
-    return html.escape(str(x))
-
-
-def _mathml(expr) -> str:
-    """``expr`` as inline presentation MathML, with symmem's printer (as the reports)."""
-    from .render import mathml   # render imports this module
-    return mathml(expr, display=False)
-
-
-def _html_table(header, rows, right=()) -> str:
-    """An HTML table; cells are already HTML (escape user strings first). Columns whose
-    index is in ``right`` are right-aligned (numbers); no header row when ``header`` is empty."""
-    def cell(tag, i, c):
-        style = ' style="text-align:right"' if i in right else ' style="text-align:left"'
-        return f"<{tag}{style}>{c}</{tag}>"
-    head = "".join(cell("th", i, _esc(h)) for i, h in enumerate(header or ()))
-    head = f"<thead><tr>{head}</tr></thead>" if head else ""
-    body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(r)) + "</tr>" for r in rows)
-    return f"<table>{head}<tbody>{body}</tbody></table>"
-
-
-def _values_text(values: dict) -> str:
-    return ", ".join(f"{k} = {v}" for k, v in values.items())
+    return [points[i] for i in prune([p.total for p in points])]
 
 
 @dataclass(frozen=True)
@@ -150,23 +65,19 @@ class Evaluation:
         return self.table()
 
     def _repr_latex_(self) -> str:
-        from .symbols import latex_names
-        names = latex_names()
-        at = ", ".join(f"{names.get(symbol(k) if isinstance(k, str) else k, k)} = {v}"
-                       for k, v in self.values.items())
         num, unit = format_bytes(self.peak).split()
-        exact = f"{self.peak:,}".replace(",", "{,}")
-        return (f"$\\mathrm{{peak}}({at}) = {exact}\\ \\mathrm{{bytes}} "
-                f"\\approx {num.replace(',', '{,}')}\\ \\mathrm{{{unit}}}$")
+        return (f"$\\mathrm{{peak}}({tex_values(self.values)}) = {tex_number(self.peak)}\\ "
+                f"\\mathrm{{bytes}} \\approx {num.replace(',', '{,}')}\\ \\mathrm{{{unit}}}$")
 
     def _repr_html_(self) -> str:
-        rows = [[_esc(r), f"{v:,}", f"{v / 2**30:,.2f}", f"{100 * v / self.peak:.1f}%"]
+        esc = html_escape
+        rows = [[esc(r), f"{v:,}", f"{v / 2**30:,.2f}", f"{100 * v / self.peak:.1f}%"]
                 for r, v in self.peak_parts.items() if v]
         rows.append(["<b>peak</b>", f"<b>{self.peak:,}</b>", f"<b>{self.peak / 2**30:,.2f}</b>",
                      "<b>100.0%</b>"])
-        return (f"<div><p><b>peak</b> at {_esc(_values_text(self.values))}: {self.peak:,} bytes "
-                f"({_esc(format_bytes(self.peak))}), during {_esc(self.peak_point.where)}</p>"
-                + _html_table(["role", "bytes", "GiB", "% of peak"], rows, right=(1, 2, 3)) + "</div>")
+        return (f"<div><p><b>peak</b> at {esc(values_text(self.values))}: {self.peak:,} bytes "
+                f"({esc(format_bytes(self.peak))}), during {esc(self.peak_point.where)}</p>"
+                + html_table(["role", "bytes", "GiB", "% of peak"], rows, right=(1, 2, 3)) + "</div>")
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text("Evaluation(...)" if cycle else self.table())
@@ -175,13 +86,11 @@ class Evaluation:
 class Estimate:
     """The memory of one training step of ``graph`` under ``policy``, as formulas."""
 
-    def __init__(self, graph: Graph, policy: Policy, w: Walk):
-        # the graph walked: a repeated block whose first iteration differs is peeled
-        self.graph, self.policy, self._walk = w.graph or graph, policy, w
-        comps = dict(w.components)
-        comps["activations"] = w.saved_at_end_of_forward
-        self.components = {k: canonical(v) for k, v in comps.items()}
-        self.points = _prune(w.points)
+    def __init__(self, graph: Graph, policy: Policy, plan: Plan, timeline: Timeline):
+        self.graph, self.policy, self.plan, self._timeline = graph, policy, plan, timeline
+        self.components = {k: canonical(timeline.components[k]) for k in COMPONENTS}
+        self.requirements = _distinct(timeline.requirements)
+        self.points = _prune(list(timeline.points))
         self.bindings = {**{symbol(k) if isinstance(k, str) else k: sp.sympify(v)
                             for k, v in graph.bindings.items()}, **policy.bindings()}
 
@@ -198,7 +107,7 @@ class Estimate:
     @property
     def timeline(self) -> list[Point]:
         """Every point of the step, in order (before pruning)."""
-        return list(self._walk.points)
+        return list(self._timeline.points)
 
     def formula(self, component: str = "peak") -> sp.Expr:
         if component == "peak":
@@ -245,13 +154,12 @@ class Estimate:
         return subs
 
     def check(self, subs: dict) -> None:
-        """Raise ConfigError when values break one of the model's requirements (s <= s_max)."""
-        for lhs, rhs, reason in self.graph.requirements:
-            lv, rv = lhs.xreplace(subs), rhs.xreplace(subs)
-            if lv.is_number and rv.is_number and lv > rv:
-                if lhs.is_number:
-                    raise ConfigError(str(rhs), int(rv), f"at least {lhs}: {reason}")
-                raise ConfigError(str(lhs), int(lv), f"at most {rhs} = {rv}: {reason}")
+        """Raise ConfigError when values break a requirement of the formulas (``s <= s_max``;
+        ``L >= 2`` for a block whose first iteration differs)."""
+        for req in self.requirements:
+            err = req.broken(subs)
+            if err is not None:
+                raise err
 
     def at(self, **values) -> Evaluation:
         """Exact integer bytes at ``values`` (e.g. ``b=8, s=1024``), over the model's bindings."""
@@ -283,18 +191,18 @@ class Estimate:
         return f"Estimate({self.graph.name}, {self.policy.describe()})\npeak = {self.peak}"
 
     def _repr_latex_(self) -> str:
-        from .render import latex   # symmem's printer: grouped by L, b, s; parses back
+        # symmem's printer: grouped by L, b, s; parses back
         return "$" + latex(self.peak) + "$"
 
     def _repr_html_(self) -> str:
-        rows = [[_esc(k), _mathml(v)] for k, v in self.components.items()]
+        esc = html_escape
+        rows = [[esc(k), mathml(v, display=False)] for k, v in self.components.items()]
         n = len(self.points)
         rows.append(["<b>peak</b>", f"the largest of {n} candidate{'s' * (n != 1)} (below)"])
-        binds = ", ".join(f"{k} = {v}" for k, v in self.bindings.items())
-        where = "".join(f"<li>{_esc(p.where)}</li>" for p in self.points)
-        return (f"<div><p><b>{_esc(self.graph.name)}</b>: {_esc(self.policy.describe())}</p>"
-                f"<p>bindings: {_esc(binds)}</p>"
-                + _html_table(["component", "bytes"], rows)
+        where = "".join(f"<li>{esc(p.where)}</li>" for p in self.points)
+        return (f"<div><p><b>{esc(self.graph.name)}</b>: {esc(self.policy.describe())}</p>"
+                f"<p>bindings: {esc(values_text(self.bindings))}</p>"
+                + html_table(["component", "bytes"], rows)
                 + f"<details><summary>peak: {n} candidate moment{'s' * (n != 1)} of the step "
                 f"(phase, node)</summary><ol>{where}</ol></details></div>")
 
@@ -310,6 +218,18 @@ class Estimate:
 
 
 def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:
-    """Derive the symbolic memory of one training step of ``graph`` under ``policy``."""
+    """Derive the symbolic memory of one training step of ``graph`` under ``policy``: lower
+    it to a plan, let the policy's passes rewrite the plan, count it."""
     policy = policy or Policy()
-    return Estimate(graph, policy, walk(graph, policy))
+    plan = lower(graph, policy)
+    return Estimate(graph, policy, plan, count(plan))
+
+
+def _distinct(requirements) -> tuple:
+    """Requirements without repeats; of two lower bounds on the same symbol, the larger."""
+    out = {}
+    for r in requirements:
+        key = (r.rhs, r.kind) if r.lhs.is_number and r.kind == "at most" else r
+        if key not in out or (r.lhs.is_number and r.lhs > out[key].lhs):
+            out[key] = r
+    return tuple(out.values())

@@ -1,9 +1,16 @@
 """Errors a user can meet. Each carries fields and says what was wrong, the value
 given, what was expected and how to fix it, so no sympy or networkx traceback
-ever reaches the user."""
+ever reaches the user.
+
+Every module raises these, so this one sits at the bottom of the import graph: it
+imports only :mod:`symmem.units` (which imports nothing), for the sizes that
+:class:`Infeasible` quotes.
+"""
 from __future__ import annotations
 
 import difflib
+
+from .units import format_bytes
 
 __all__ = ["SymmemError", "ConfigError", "UnknownName", "ShapeError", "Infeasible"]
 
@@ -60,7 +67,6 @@ class Infeasible(SymmemError):
 
     def __init__(self, symbol: str, value: int, needed: int, usable: int, where: str,
                  breakdown: str, hint: str):
-        from .dtypes import format_bytes
         self.symbol, self.value, self.needed, self.usable = symbol, value, needed, usable
         self.where, self.breakdown, self.hint = where, breakdown, hint
         super().__init__(

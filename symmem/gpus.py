@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
-from .dtypes import format_bytes
+from .units import format_bytes
 from .errors import ConfigError, UnknownName
 
 __all__ = ["as_budget", "parse_bytes", "GPU", "CATALOG", "gpu", "reserve_bytes", "DEFAULT_RESERVE",

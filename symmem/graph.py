@@ -5,10 +5,23 @@ inputs, parameters and attributes, with the symbolic shape its rule gives) and
 :class:`Repeat` (a body graph applied ``count`` times, ``count`` usually the
 symbol ``L``: the body is analysed once). Parameters are :class:`Param`
 objects; using the same ``Param`` twice ties the weight (it is counted once).
+Buffers (:meth:`Graph.buffer`: rotary tables, running statistics) are tensors of the
+model without gradient or optimizer state; inputs (:meth:`Graph.input`) are the batch.
+
+A repeated block carries one value from iteration to iteration (the hidden states), or
+several (``repeat(L, body, (x, bias))``); what its body reads from outside (an attention
+mask, an encoder's output) is read by every iteration.
+
+Attributes that policies read: a node's own (``g.add(..., key=value)``), those of a scope
+(``with g.scope(recompute="attention"): ...`` gives every node added inside them), and
+those of a range of layers of a repeated block (:meth:`Graph.annotate_layers`); passes
+split a block where its layers' attributes differ (:meth:`Graph.split_layers`) or group
+its layers (:meth:`Graph.grouped`).
 
 Shapes are inferred when a node is added, from the op's rule in
 :mod:`symmem.rules`, so a wrong wiring fails at build time with a
-:class:`~symmem.errors.ShapeError` naming the node.
+:class:`~symmem.errors.ShapeError` naming the node. :class:`Requirement` records what
+must hold of the symbols for the formulas to hold (``s <= s_max``).
 
 Listing format (``str(graph)``)::
 
@@ -22,15 +35,17 @@ node that saves tensors for backward, what it saves (from the rules, under ``pol
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import networkx as nx
 import sympy as sp
 
 from .errors import ConfigError, ShapeError
+from .requirements import Requirement
 
-__all__ = ["Param", "Node", "Repeat", "Graph"]
+__all__ = ["Param", "Node", "Repeat", "Graph", "Requirement"]
 
 Shape = tuple[sp.Expr, ...]
 
@@ -70,17 +85,32 @@ class Node:
 
 @dataclass(frozen=True)
 class Repeat:
-    """``body`` applied ``count`` times; its one carried input is ``carried``."""
+    """``body`` applied ``count`` times. Iteration ``i + 1`` receives what iteration ``i``
+    returned (``output``, one value or several), the first receives ``carried`` from
+    outside; the last's values are named ``names`` outside (the first is the Repeat's
+    ``name``). ``layer_attrs``: ((start, stop, attrs), ...), attributes of a range of
+    layers (iterations ``start`` to ``stop - 1``; ``stop`` None for the last)."""
     name: str
     count: sp.Expr
     body: "Graph"
-    carried: str          # the outer value fed to the first iteration
-    output: str           # the body's output value (fed to the next iteration)
+    carried: tuple[str, ...]
+    output: tuple[str, ...]
     shape: Shape = ()
+    names: tuple[str, ...] = ()
+    layer_attrs: tuple = ()
 
     @property
     def externals(self) -> tuple[str, ...]:
         return self.body.externals
+
+    @property
+    def carries(self) -> tuple[str, ...]:
+        """The body's carry nodes, one per carried value, in order."""
+        return tuple(n.name for n in self.body.items if isinstance(n, Node) and n.op == "carry")
+
+    def layers_with(self, key: str):
+        """((start, stop, value), ...) of the layer ranges that set attribute ``key``."""
+        return tuple((a, z, dict(at)[key]) for a, z, at in self.layer_attrs if key in dict(at))
 
 
 @dataclass
@@ -92,10 +122,11 @@ class Graph:
     parent: "Graph | None" = None
     externals: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
-    requirements: tuple = ()  # ((lhs, rhs, reason), …): lhs <= rhs must hold when evaluated
+    requirements: tuple = ()  # (Requirement, …): must hold where the formulas are evaluated
     _shapes: dict = field(default_factory=dict)
     _params: dict = field(default_factory=dict)
     _taken: set = field(default_factory=set)   # every value name, bodies included (shared)
+    _scope: dict = field(default_factory=dict)
 
     # ----- building ---------------------------------------------------------------
     def param(self, name: str, shape) -> Param:
@@ -108,13 +139,21 @@ class Graph:
         return p
 
     def input(self, name: str, shape, dtype: str = "int64", requires_grad: bool = False) -> str:
-        """A tensor given to the model (token ids, labels; or a float tensor in tests)."""
+        """A tensor of the batch (token ids, labels, an attention mask; or a float tensor in
+        tests): on the device for the whole step, as the training loop holds it."""
         return self.add("input", name=name, shape=tuple(sp.sympify(d) for d in shape), dtype=dtype,
                         requires_grad=requires_grad)
 
+    def buffer(self, name: str, shape, dtype: str = "float32") -> str:
+        """A tensor of the model that is not trained (a rotary table, running statistics):
+        it exists for the whole step, with no gradient and no optimizer state."""
+        return self.add("input", name=name, shape=tuple(sp.sympify(d) for d in shape), dtype=dtype,
+                        requires_grad=False, buffer=True)
+
     def add(self, op: str, *inputs: str, params=(), name: str | None = None, **attrs) -> str:
-        """Add ``op`` applied to ``inputs``; returns the name of the value it defines."""
-        from .rules import infer_shape  # rules import graph types; import late
+        """Add ``op`` applied to ``inputs``; returns the name of the value it defines. The
+        attributes of the enclosing scopes (:meth:`scope`) are added to ``attrs``."""
+        from .rules import infer_shape
         name = name or f"{op}_{len(self.items)}"
         if name in self._taken:
             raise ConfigError("node name", name, "a name not used before in this graph")
@@ -126,6 +165,7 @@ class Graph:
             if i not in self._shapes and i not in self.externals:
                 self.externals = self.externals + (i,)
             shapes.append(sh)
+        attrs = {**self._scope, **attrs}
         node = Node(name, op, tuple(inputs), tuple(params), tuple(sorted(attrs.items())))
         shape = tuple(sp.sympify(d) for d in infer_shape(node, shapes))
         node = Node(node.name, op, node.inputs, node.params, node.attrs, shape)
@@ -134,9 +174,21 @@ class Graph:
         self._taken.add(name)
         return name
 
-    def require(self, lhs, rhs, reason: str) -> None:
-        """Record that ``lhs <= rhs`` must hold for any values the model is evaluated at."""
-        self.requirements = self.requirements + ((sp.sympify(lhs), sp.sympify(rhs), reason),)
+    @contextlib.contextmanager
+    def scope(self, **attrs):
+        """Every node added inside ``with g.scope(key=value):`` gets these attributes (a
+        recomputation region, a precision override); scopes nest."""
+        saved = self._scope
+        self._scope = {**saved, **attrs}
+        try:
+            yield self
+        finally:
+            self._scope = saved
+
+    def require(self, lhs, rhs, reason: str, kind: str = "at most") -> None:
+        """Record that ``lhs <= rhs`` (or, ``kind="divides"``, that ``lhs`` divides ``rhs``)
+        must hold for any values the model is evaluated at."""
+        self.requirements = self.requirements + (Requirement(sp.sympify(lhs), sp.sympify(rhs), reason, kind),)
 
     def output(self, value: str) -> str:
         """Mark ``value`` as returned by the forward pass (e.g. the logits in a model's
@@ -145,28 +197,61 @@ class Graph:
         self.outputs = self.outputs + (value,)
         return value
 
-    def repeat(self, count, body: Callable[["Graph", str], str], x: str, name: str = "layers") -> str:
+    def repeat(self, count, body: Callable, x, name: str = "layers"):
         """Apply ``body(graph, x) -> y`` ``count`` times (``count`` may be a symbol).
 
-        The body is built once in a child graph; names inside it are local to it.
-        Values of the enclosing graph that the body reads are kept alive across
-        all iterations. Returns the name of the final output value (``name``).
-        """
+        ``x`` is a value's name, or a tuple of names for a block that carries several values
+        (then ``body`` receives and returns tuples of the same length). The body is built
+        once in a child graph; values of the enclosing graph that it reads are kept alive
+        across all iterations. Returns the name of the final output (``name``), or a tuple
+        of names (``name``, ``name.1``, ...) for several."""
         if name in self._taken:
             raise ConfigError("repeat name", name, "a name not used before in this graph")
         count = sp.sympify(count)
         if count.is_number and not (count.is_integer and count > 0):
             raise ConfigError("repeat count", count, "a positive integer or a symbol")
+        several = isinstance(x, (tuple, list))
+        xs = tuple(x) if several else (x,)
+        for v in xs:
+            if self._lookup_shape(v) is None:
+                raise ConfigError(f"input of repeat {name!r}", v, "the name of a value defined earlier in the graph")
+        names = tuple(name if i == 0 else f"{name}.{i}" for i in range(len(xs)))
+        for n in names[1:]:
+            if n in self._taken:
+                raise ConfigError("repeat output name", n, "a name not used before in this graph")
         child = Graph(name=name, parent=self, _taken=self._taken)
-        self._taken.update({name, f"{name}/in"})
-        child._shapes[f"{name}/in"] = self._shapes[x]
-        child.items.append(Node(f"{name}/in", "carry", (x,), shape=self._shapes[x]))
-        y = body(child, f"{name}/in")
-        if child._shapes.get(y) != self._shapes[x]:
-            raise ShapeError(name, child._shapes.get(y), f"the body to return its input's shape {self._shapes[x]}")
-        self.items.append(Repeat(name, count, child, x, y, self._shapes[x]))
-        self._shapes[name] = self._shapes[x]
-        return name
+        carries = tuple(f"{name}/in" if i == 0 else f"{name}/in{i}" for i in range(len(xs)))
+        self._taken.update(names + carries)
+        for i, (v, c) in enumerate(zip(xs, carries)):
+            child._shapes[c] = self._lookup_shape(v)
+            child.items.append(Node(c, "carry", (v,), attrs=(("index", i),), shape=child._shapes[c]))
+        ys = body(child, carries if several else carries[0])
+        ys = tuple(ys) if several else (ys,)
+        if len(ys) != len(xs):
+            raise ShapeError(name, f"{len(ys)} values", f"the body to return as many values as it receives ({len(xs)})")
+        for v, y in zip(xs, ys):
+            if child._shapes.get(y) != self._lookup_shape(v):
+                raise ShapeError(name, child._shapes.get(y), f"the body to return its input's shape {self._lookup_shape(v)}")
+        self.items.append(Repeat(name, count, child, xs, ys, self._lookup_shape(xs[0]), names))
+        for n, v in zip(names, xs):
+            self._shapes[n] = self._lookup_shape(v)
+        return names if several else names[0]
+
+    def annotate_layers(self, block: str, start: int, stop: int | None = None, **attrs) -> None:
+        """Give layers ``start`` to ``stop - 1`` of the repeated block ``block`` attributes
+        (``stop`` None: to the last layer), e.g. ``recompute=True``; passes read them."""
+        i, rep = self._repeat_item(block)
+        if not (isinstance(start, int) and start >= 0 and (stop is None or (isinstance(stop, int) and stop > start))):
+            raise ConfigError("layer range", (start, stop), "0 <= start < stop (stop None for the last layer)")
+        self.items[i] = replace(rep, layer_attrs=rep.layer_attrs + ((start, stop, tuple(sorted(attrs.items()))),))
+
+    def _repeat_item(self, block: str):
+        for i, item in enumerate(self.items):
+            if isinstance(item, Repeat) and item.name == block:
+                return i, item
+        blocks = tuple(item.name for item in self.items if isinstance(item, Repeat))
+        from .errors import UnknownName
+        raise UnknownName("repeated block", block, blocks)
 
     def _lookup_shape(self, value: str):
         g = self
@@ -200,65 +285,92 @@ class Graph:
         """Total trainable elements N (tied weights once)."""
         return sp.expand(sum((p.numel * m for p, m in self.params()), sp.Integer(0)))
 
+    def buffers(self) -> list[tuple[Node, sp.Expr]]:
+        """Buffer nodes with multiplicity (one in a repeated body counts ``count`` times)."""
+        out = []
+        for item in self.items:
+            if isinstance(item, Repeat):
+                out += [(n, m * item.count) for n, m in item.body.buffers()]
+            elif item.op == "input" and item.attr("buffer"):
+                out.append((item, sp.Integer(1)))
+        return out
+
+    def repeats(self) -> list[Repeat]:
+        """The repeated blocks, in order."""
+        return [item for item in self.items if isinstance(item, Repeat)]
+
+    # ----- rewriting: new graphs, this one unchanged ------------------------------
+    def _copy(self, items) -> "Graph":
+        g = Graph(self.name, dict(self.bindings))
+        for item in items:
+            g.items.append(item)
+            for n, sh in _defines(item):
+                g._shapes[n] = sh
+        g.outputs, g.requirements = self.outputs, self.requirements
+        g._taken = set(g._shapes) | self._taken
+        return g
+
     def unrolled(self) -> "Graph":
         """The same graph with every Repeat of a numeric count written out."""
-        g = Graph(self.name, dict(self.bindings))
+        items = []
         for item in self.items:
             if isinstance(item, Node):
-                g.items.append(item)
-                g._shapes[item.name] = item.shape
+                items.append(item)
                 continue
             n = sp.sympify(item.count).subs(self.bindings)
             if not n.is_Integer:
                 raise ConfigError("repeat count", item.count, "a number (bind it) to unroll")
             prev = item.carried
             for i in range(int(n)):
-                ren = {f"{item.name}/in": prev}
-                for node in item.body.items[1:]:
-                    new = f"{item.name}.{i}/{node.name.split('/', 1)[1]}"
-                    ren[node.name] = new
-                    params = tuple(Param(f"{item.name}.{i}.{p.name}", p.shape)
-                                   if p.name in item.body._params else p for p in node.params)
-                    g.items.append(Node(new, node.op, tuple(ren.get(x, x) for x in node.inputs),
-                                        params, node.attrs, node.shape))
-                    g._shapes[new] = node.shape
-                prev = ren[item.output]
-            g.items.append(Node(item.name, "carry", (prev,), shape=item.shape))
-            g._shapes[item.name] = item.shape
-        g.outputs, g.requirements = self.outputs, self.requirements
+                nodes, prev = _renamed_body(item, f"{item.name}.{i}", f"{item.name}.{i}.", prev)
+                items += nodes
+            items += [Node(n_, "carry", (p,), shape=self._shapes[n_]) for n_, p in zip(item.names, prev)]
+        return self._copy(items)
+
+    def split_layers(self, block: str, at) -> "Graph":
+        """The block ``block`` as consecutive blocks split before each layer index in ``at``
+        (numbers, or expressions in the block's count): block ``name[a:z]`` holds layers
+        a to z - 1 and its own copy of the body (names prefixed by ``name[a:z]/``); the
+        last values keep the block's names. Each part holds at least one layer (recorded
+        as requirements). The parts carry no layer attributes: the caller knows which part
+        is which range."""
+        i, rep = self._repeat_item(block)
+        bounds = [sp.Integer(0)] + [sp.sympify(a) for a in at] + [rep.count]
+        items, prev, reqs = [], rep.carried, []
+        for a, z in zip(bounds, bounds[1:]):
+            part = f"{block}[{_fmt_index(a, rep.count)}:{_fmt_index(z, rep.count)}]"
+            body = _body_copy(rep, part, prev)
+            items.append(Repeat(part, sp.expand(z - a), body, prev,
+                                tuple(part + o[len(rep.name):] for o in rep.output), rep.shape,
+                                tuple(f"{part}" if k == 0 else f"{part}.{k}" for k in range(len(rep.names)))))
+            prev = items[-1].names
+            reqs.append(Requirement(sp.expand(a + 1), z, f"the part {part!r} of block {block!r} holds a layer"))
+        items += [Node(n_, "carry", (p,), shape=self._shapes[n_]) for n_, p in zip(rep.names, prev)]
+        g = self._copy(self.items[:i] + items + self.items[i + 1:])
+        g.requirements = g.requirements + tuple(r for r in reqs if not (r.lhs - r.rhs).is_number)
         return g
 
-    def peeled(self, name: str) -> "Graph":
-        """The same graph with the first iteration of Repeat ``name`` written out (its
-        parameters renamed ``name.0.*``) before a Repeat of ``count - 1`` iterations.
-
-        For a block whose first iteration differs from the rest, e.g. one that turns its
-        float32 input into bfloat16 under autocast: every later iteration is then alike.
-        The result holds for ``count >= 2`` (recorded as a requirement)."""
-        g = Graph(self.name, dict(self.bindings))
-        for item in self.items:
-            if not (isinstance(item, Repeat) and item.name == name):
-                g.items.append(item)
-                g._shapes[getattr(item, "name")] = item.shape
-                continue
-            ren = {f"{name}/in": item.carried}
-            for node in item.body.items[1:]:
-                new = f"{name}.0/{node.name.split('/', 1)[1]}"
-                ren[node.name] = new
-                params = tuple(Param(f"{name}.0.{p.name}", p.shape) if p.name in item.body._params else p
-                               for p in node.params)
-                g.items.append(Node(new, node.op, tuple(ren.get(x, x) for x in node.inputs),
-                                    params, node.attrs, node.shape))
-                g._shapes[new] = node.shape
-            body = Graph(item.body.name, parent=g, externals=item.body.externals,
-                         _shapes=item.body._shapes, _params=item.body._params)
-            body.items = [Node(f"{name}/in", "carry", (ren[item.output],), shape=item.shape)] + item.body.items[1:]
-            g.items.append(Repeat(name, item.count - 1, body, ren[item.output], item.output, item.shape))
-            g._shapes[name] = item.shape
-            g.require(2, item.count, f"the block {name!r} treats its first iteration differently "
-                                     "(its input's dtype changes), so it is written out")
-        g.outputs, g.requirements = self.outputs, self.requirements + g.requirements
-        g._taken = set(g._shapes)
+    def grouped(self, block: str, k: int) -> "Graph":
+        """The block ``block`` with ``k`` consecutive layers as one iteration: a block of
+        ``count / k`` iterations whose body is ``k`` layers (values ``name/j:...`` for the
+        ``j``-th). ``k`` must divide the count (recorded as a requirement)."""
+        i, rep = self._repeat_item(block)
+        body = Graph(rep.body.name, parent=self, externals=rep.body.externals)
+        body._taken = self._taken
+        carries = [n for n in rep.body.items if isinstance(n, Node) and n.op == "carry"]
+        body.items = list(carries)
+        for c in carries:
+            body._shapes[c.name] = c.shape
+        prev = tuple(c.name for c in carries)
+        for j in range(k):
+            nodes, prev = _renamed_body(rep, f"{rep.name}/{j}", f"{j}.", prev)
+            body.items += nodes
+            for n in nodes:
+                body._shapes[n.name] = n.shape
+            body._params.update({f"{j}.{p.name}": Param(f"{j}.{p.name}", p.shape) for p in rep.body._params.values()})
+        new = Repeat(rep.name, sp.expand(rep.count / k), body, rep.carried, prev, rep.shape, rep.names)
+        g = self._copy(self.items[:i] + [new] + self.items[i + 1:])
+        g.require(k, rep.count, f"the block {block!r} is recomputed {k} layers at a time", kind="divides")
         return g
 
     def to_networkx(self) -> nx.DiGraph:
@@ -268,8 +380,11 @@ class Graph:
             if isinstance(item, Repeat):
                 G.add_node(item.name, op="repeat", count=item.count, body=item.body.to_networkx(),
                            shape=item.shape)
-                for e in (item.carried,) + item.externals:
+                for e in item.carried + item.externals:
                     G.add_edge(e, item.name)
+                for n in item.names[1:]:
+                    G.add_node(n, op="output", shape=self._shapes[n])
+                    G.add_edge(item.name, n)
             else:
                 G.add_node(item.name, op=item.op, shape=item.shape,
                            params=[p.name for p in item.params], attrs=dict(item.attrs))
@@ -284,7 +399,7 @@ class Graph:
     def _lines(self, indent: str):
         for item in self.items:
             if isinstance(item, Repeat):
-                yield f"{indent}{item.name}  repeat x {item.count}  ({item.carried})  {_fmt(item.shape)}"
+                yield f"{indent}{item.name}  repeat x {item.count}  ({', '.join(item.carried)})  {_fmt(item.shape)}"
                 yield from item.body._lines(indent + "    ")
             else:
                 ps = f"  [{', '.join(p.name for p in item.params)}]" if item.params else ""
@@ -316,56 +431,55 @@ class Graph:
 
     def _saved(self, policy=None) -> dict:
         """node name -> [(label, value or None, numel, bytes per element), …]: what each
-        node's rule saves for backward under ``policy``, as the schedule prepares it (a
-        Repeat's body once, with the carried input)."""
+        node's rule saves for backward under ``policy`` (a Repeat's body in its first
+        iteration), from :func:`symmem.footprints.trace`."""
+        from .footprints import trace
         from .policy import Policy
-        from .schedule import _Prepared
         root = self
         while root.parent is not None:      # a body's inputs are defined by its parents
             root = root.parent
-        prep = _Prepared(root, policy or Policy(), strict=False)
+        tr = trace(root, policy or Policy(), strict=False)
         out = {}
-        for name, fp in prep.fp.items():
-            node = prep.nodes[name]
+        for inst in tr.instances():
+            if inst.copy > 1 or inst.node.name in out:
+                continue
             rows = []
-            for sv in fp.saved:
+            for sv in inst.fp.saved:
                 if sv.ref.startswith("in"):
-                    v = node.inputs[int(sv.ref[2:])]
-                    rows.append((sv.label, v, prep.info[v].numel, prep.info[v].dtype.nbytes))
+                    v = inst.inputs[int(sv.ref[2:])]
+                    info = tr.info[v]
+                    rows.append((sv.label, inst.node.inputs[int(sv.ref[2:])], info.numel, info.dtype.nbytes))
                 elif sv.ref == "out":
-                    rows.append((sv.label, node.name, fp.out.numel, fp.out.dtype.nbytes))
+                    rows.append((sv.label, inst.node.name, inst.fp.out.numel, inst.fp.out.dtype.nbytes))
                 else:
                     rows.append((sv.label, None, sv.numel, sv.dtype.nbytes))
-            out[name] = rows
+            out[inst.node.name] = rows
         return out
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(f"Graph({self.name})" if cycle else self.describe())
 
     def _repr_html_(self) -> str:
-        import html
         from .policy import Policy
-        esc, policy = html.escape, Policy()
+        from .printing import html_escape as esc, html_table, values_text
+        policy = Policy()
         saved = self._saved(policy)
-        head = "".join(f"<th style='text-align:left'>{c}</th>"
-                       for c in ("name", "op", "inputs", "shape", "params", "saves for backward"))
-        rows = []
+        rows, depths = [], []
         for depth, item in self._walk_items(0):
-            pad = f" style='text-align:left;padding-left:{0.5 + 1.5 * depth}em'"
             if isinstance(item, Repeat):
-                cells = [f"<b>{esc(item.name)}</b>", f"repeat &times; {esc(str(item.count))}",
-                         esc(item.carried), esc(_fmt(item.shape)), "", ""]
+                rows.append([f"<b>{esc(item.name)}</b>", f"repeat &times; {esc(str(item.count))}",
+                             esc(", ".join(item.carried)), esc(_fmt(item.shape)), "", ""])
             else:
                 sv = "<br>".join(esc(_fmt_saved(*t)) for t in saved.get(item.name, ()))
-                cells = [esc(item.name), esc(item.op), esc(", ".join(item.inputs)), esc(_fmt(item.shape)),
-                         esc(", ".join(p.name for p in item.params)), sv]
-            rows.append(f"<tr><td{pad}>{cells[0]}</td>"
-                        + "".join(f"<td style='text-align:left'>{c}</td>" for c in cells[1:]) + "</tr>")
-        binds = ", ".join(f"{k} = {v}" for k, v in self.bindings.items())
+                rows.append([esc(item.name), esc(item.op), esc(", ".join(item.inputs)), esc(_fmt(item.shape)),
+                             esc(", ".join(p.name for p in item.params)), sv])
+            depths.append(depth)
+        binds = values_text(self.bindings)
         return (f"<div><p><b>{esc(self.name)}</b>" + (f" ({esc(binds)})" if binds else "")
                 + f"; saved tensors under the default policy ({esc(policy.precision)}, "
                 f"{esc(policy.device)}; <code>graph.describe(policy)</code> for another)</p>"
-                f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
+                + html_table(("name", "op", "inputs", "shape", "params", "saves for backward"), rows, indent=depths)
+                + "</div>")
 
 
 def _fmt(shape: Shape) -> str:
@@ -375,3 +489,47 @@ def _fmt(shape: Shape) -> str:
 def _fmt_saved(label, value, numel, nbytes) -> str:
     """``label[ = value] (numel x bytes)``: one saved tensor in ``Graph.describe``."""
     return f"{label}{f' = {value}' if value else ''} ({numel} x {nbytes})"
+
+
+def _defines(item):
+    """(name, shape) of the values an item defines outside itself."""
+    if isinstance(item, Repeat):
+        return [(n, item.body._lookup_shape(o)) for n, o in zip(item.names, item.output)]
+    return [(item.name, item.shape)]
+
+
+def _renamed_body(rep: Repeat, prefix: str, param_prefix: str, carried: tuple, sep: str = "/"):
+    """The body of ``rep`` written out once: value ``name/x`` renamed ``prefix/x`` (with
+    ``sep`` between), its parameters ``param_prefix + name``, its carry nodes reading
+    ``carried``. Returns the nodes and the names of the copy's outputs."""
+    ren = dict(zip(rep.carries, carried))
+    nodes = []
+    for node in rep.body.items:
+        if node.name in ren:
+            continue
+        new = prefix + sep + node.name.split("/", 1)[1] if "/" in node.name else prefix + sep + node.name
+        ren[node.name] = new
+        params = tuple(Param(param_prefix + p.name, p.shape) if p.name in rep.body._params else p
+                       for p in node.params)
+        nodes.append(Node(new, node.op, tuple(ren.get(x, x) for x in node.inputs), params, node.attrs,
+                          node.shape))
+    return nodes, tuple(ren[o] for o in rep.output)
+
+
+def _body_copy(rep: Repeat, name: str, inputs: tuple) -> "Graph":
+    """A copy of ``rep``'s body for a block called ``name`` that receives ``inputs``:
+    values and carry nodes renamed ``name/...``, parameters ``name.param``."""
+    body = Graph(name, parent=rep.body.parent, externals=rep.body.externals)
+    carried = tuple(name + c[len(rep.name):] for c in rep.carries)
+    body.items = [Node(c, "carry", (x,), attrs=n.attrs, shape=n.shape)
+                  for c, x, n in zip(carried, inputs, [n for n in rep.body.items if n.name in rep.carries])]
+    nodes, _ = _renamed_body(rep, name, f"{name}.", carried)
+    body.items += nodes
+    for n in body.items:
+        body._shapes[n.name] = n.shape
+    body._params = {p.name: p for n in nodes for p in n.params if p.name.startswith(f"{name}.")}
+    return body
+
+
+def _fmt_index(x, count) -> str:
+    return str(x) if sp.sympify(x) != count else ""

@@ -23,20 +23,21 @@ import textwrap
 import numpy as np
 import sympy as sp
 
-from .dtypes import format_bytes
 from .engine import Estimate
 from .errors import ConfigError, Infeasible
-from .schedule import ROLES
+from .printing import format_bytes
+from .plan import ROLES
+from .units import GiB
 
 __all__ = ["breakdown", "timeline", "versus", "ROLE_COLORS", "GIB"]
 
 #: Bytes in a GiB: every plot's unit.
-GIB = 2**30
+GIB = GiB
 
 #: One colour per role, the same in every plot.
 ROLE_COLORS = {
     "params": "#4C72B0", "master": "#8172B3", "optimizer": "#DD8452",
-    "grads": "#C44E52", "activations": "#55A868", "transient": "#8C8C8C",
+    "grads": "#C44E52", "activations": "#55A868", "batch": "#937860", "transient": "#8C8C8C",
 }
 _PHASE_COLORS = {"forward": "#4C72B0", "backward": "#C44E52", "optimizer": "#DD8452"}
 _IMPORT_ERROR = "symmem.plots needs matplotlib: pip install 'symmem[plot]'"

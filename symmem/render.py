@@ -1,56 +1,56 @@
 """Reports: an estimate as documents people can read, typeset and reuse.
 
-Two printers extend sympy's through the printer protocol (``_print_<Class>``):
-
-- :class:`LatexPrinter` writes symmem's symbol names (``B_{a}``, ``s_{\\max}``) and prints
-  sums in the library's canonical order (:func:`symmem.engine.canonical`: terms with
-  ``L`` first, then ``b``, then ``s``, then the rest). Its *export* form (the default of
-  :func:`latex`) is one line that sympy's LaTeX parser reads back into the same
-  expression: a bracketed factor is written ``{\\left(…\\right)}`` so that ``L (…)`` is
-  not read as a function ``L`` applied to ``(…)``, each ``\\max`` argument is braced so
-  that ``4, 123`` is not read as the number 4,123, and ``d`` is ``{d}`` so that ``d h`` is
-  not read as a differential. Its *display* form (``display=True``)
-  is for documents: ``\\bigl(…\\bigr)`` brackets (which may open on one line and close on
-  another), long sums broken over lines of an ``aligned`` block, and ``\\max`` with one
-  candidate per line.
-- :class:`MathMLPrinter` writes presentation MathML (``<math display="block">``, which
-  browsers render natively) in the same term order, ``max`` as a one-column table.
-
 :func:`render` fills one of three Jinja2 templates in ``templates/`` (``report.tex.j2``,
 ``report.md.j2``, ``report.html.j2``) with :func:`report_context`: the model and policy,
 a symbol glossary, each component's formula, the peak and where it is, exact bytes at
 the chosen values, the largest micro-batch that fits a budget with its closed form, and
 where each term comes from (the rule of each operator, the papers).
 
-The templates' delimiters do not clash with TeX (``((* block *))``, ``((( variable )))``,
+A report computes nothing: the caller solves and passes the answer. With a budget, pass
+``solution``, what :func:`symmem.solve.max_batch` gave for it (a
+:class:`~symmem.solve.Solution`, or the :class:`~symmem.errors.Infeasible` it raised,
+which the report states as "nothing fits"), and the :class:`~symmem.gpus.Budget` for its
+label::
+
+    bud = symmem.gpus.budget(gpu="H100-80GB")
+    sol = symmem.solve.max_batch(est, bud, s=1024)
+    render(est, "latex", b=8, s=1024, solution=sol, budget=bud)
+
+Every formula, number and user text is printed by :mod:`symmem.printing` (the LaTeX and
+MathML printers, the escaping), through the environment's filters. The templates'
+delimiters do not clash with TeX (``((* block *))``, ``((( variable )))``,
 ``((= comment =))``); autoescaping is off and every text a user supplies (a model name
 from a folder name, a title) goes through an explicit filter: ``tex_escape``,
 ``html_escape`` or ``md_escape``.
+
+The printing functions this module used to define (``latex``, ``latex_rows``,
+``mathml``, ``tex_escape``, …) are re-exported here for existing code; new code imports
+them from :mod:`symmem.printing`.
 """
 from __future__ import annotations
 
 import inspect
 import re
-import unicodedata
 from functools import lru_cache
 from pathlib import Path
 
 import sympy as sp
-from sympy.printing.latex import LatexPrinter as _SympyLatexPrinter
-from sympy.printing.mathml import MathMLPresentationPrinter as _SympyMathMLPrinter
-from sympy.printing.precedence import precedence_traditional
-from sympy.simplify import fraction
 
-from .dtypes import GiB
 from .engine import Estimate, canonical
 from .errors import ConfigError, Infeasible
-from .schedule import ROLES
-from .symbols import TABLE, L, M, R, b, latex_names, s
+from .gpus import Budget
+from .printing import (WIDTH, LatexPrinter, MathMLPrinter, html_escape, latex, latex_max_rows,
+                       latex_parts, latex_rows, mathml, mathml_max, mathml_parts, md_escape,
+                       rst_html, rst_md, rst_tex, tex_escape, tex_number)
+from .plan import ROLES
+from .symbols import TABLE, M, R, b, s
+from .units import GiB
 
-__all__ = ["LatexPrinter", "MathMLPrinter", "latex", "latex_rows", "latex_max_rows",
-           "latex_breakdown", "mathml", "mathml_max", "mathml_breakdown", "tex_escape",
-           "html_escape", "md_escape", "environment", "report_context", "render", "FORMATS",
-           "TEMPLATES", "SOURCES"]
+__all__ = ["environment", "report_context", "render", "latex_breakdown", "FORMATS",
+           "TEMPLATES", "SOURCES",
+           # re-exported from symmem.printing
+           "LatexPrinter", "MathMLPrinter", "latex", "latex_rows", "latex_max_rows", "mathml",
+           "mathml_max", "tex_escape", "html_escape", "md_escape"]
 
 #: The report formats and their templates.
 FORMATS = {"latex": "report.tex.j2", "markdown": "report.md.j2", "html": "report.html.j2"}
@@ -58,440 +58,20 @@ FORMATS = {"latex": "report.tex.j2", "markdown": "report.md.j2", "html": "report
 #: Where the templates are: ``templates/`` beside the package (the repository's root).
 TEMPLATES = Path(__file__).resolve().parent / "templates"   # also ./templates in the source tree
 
-#: About how many characters of typeset math fit one display line of the LaTeX report.
-WIDTH = 90
-
-_BREAK = "\x00"     # a place where a display line may break (before `` + term``)
-_ARG = "\x01"       # between the candidates of a displayed max: one per row
-
-
-def _group(term) -> int:
-    """Terms with L first, then b, then s, then the rest (the canonical form's order)."""
-    free = term.free_symbols
-    return 0 if L in free else 1 if b in free else 2 if s in free else 3
-
-
-# ----------------------------------------------------------------------------------- LaTeX
-
-class LatexPrinter(_SympyLatexPrinter):
-    """sympy's LaTeX printer with symmem's symbol names and term order.
-
-    Settings, besides sympy's: ``group`` (True: sums in the order L, b, s, rest; False:
-    sympy's order) and ``display`` (False: the one-line export form that parses back;
-    True: the typeset form, ``\\bigl(…\\bigr)`` brackets; :func:`latex_rows` breaks it
-    into lines at the break points this printer marks)."""
-
-    printmethod = "_symmem_latex"
-    _default_settings = {**_SympyLatexPrinter._default_settings, "group": True, "display": False}
-
-    def __init__(self, settings=None):
-        settings = dict(settings or {})
-        settings["symbol_names"] = {**latex_names(), **settings.get("symbol_names", {})}
-        super().__init__(settings)
-        self._breakable = [True]
-
-    # Break points are allowed only in sums reached through sums, products (inside their
-    # \bigl(...\bigr) brackets) and the top-level max: never inside a fraction, a root, a
-    # power or a \left...\right pair, where TeX cannot break a line.
-    def _print(self, expr, **kwargs):
-        if isinstance(expr, (sp.Add, sp.Mul, sp.Max)):
-            return super()._print(expr, **kwargs)
-        self._breakable.append(False)
-        try:
-            return super()._print(expr, **kwargs)
-        finally:
-            self._breakable.pop()
-
-    def doprint(self, expr) -> str:
-        return self._raw(expr).replace(_BREAK, "").replace(_ARG, ", ")
-
-    def _raw(self, expr) -> str:
-        """The printed text with its break points (for :func:`_pack`)."""
-        return super().doprint(expr)
-
-    def _nobreak(self, expr) -> str:
-        self._breakable.append(False)
-        try:
-            return self._print(expr)
-        finally:
-            self._breakable.pop()
-
-    def _print_Symbol(self, expr, style="plain"):
-        tex = super()._print_Symbol(expr, style=style)
-        # sympy's LaTeX parser reads "d h" as the differential dh: export {d} h
-        return "{d}" if tex == "d" and not self._settings["display"] else tex
-
-    def _add_parens(self, s) -> str:
-        if self._settings["display"]:
-            return r"\bigl(%s\bigr)" % s
-        return r"{\left(%s\right)}" % s
-
-    _add_parens_lspace = _add_parens
-
-    def parenthesize(self, item, level, is_neg=False, strict=False) -> str:
-        prec = precedence_traditional(item)
-        if (is_neg and strict) or prec < level or (not strict and prec <= level):
-            return self._add_parens(self._print(item))
-        return self._print(item)
-
-    def _print_Add(self, expr, order=None):
-        terms = list(self._as_ordered_terms(expr, order=order))
-        if self._settings["group"]:
-            terms.sort(key=_group)          # stable: sympy's order within each group
-        sep = _BREAK if self._settings["display"] and self._breakable[-1] else ""
-        tex = ""
-        for i, term in enumerate(terms):
-            if i:
-                if term.could_extract_minus_sign():
-                    tex += sep + " - "
-                    term = -term
-                else:
-                    tex += sep + " + "
-            t = self._print(term)
-            if self._needs_add_brackets(term):
-                t = self._add_parens(t)
-            tex += t
-        return tex
-
-    def _print_Mul(self, expr):
-        sign = ""
-        if expr.could_extract_minus_sign():
-            pos = -expr
-            if not pos.is_Mul:
-                t = self._print(pos)
-                return "- " + (self._add_parens(t) if pos.is_Add else t)
-            expr, sign = pos, "- "
-        numer, denom = fraction(expr, exact=True)
-        if denom == 1:
-            return sign + self._product(expr)
-        self._breakable.append(False)
-        try:
-            return sign + r"\frac{%s}{%s}" % (self._product(numer), self._product(denom))
-        finally:
-            self._breakable.pop()
-
-    def _product(self, expr) -> str:
-        """A product without a denominator: a rational coefficient, then the factors in
-        sympy's order; sums in brackets (breakable in display form)."""
-        if not expr.is_Mul:
-            return self._print(expr)
-        factors = list(expr.as_ordered_factors()) if self.order not in ("old", "none") \
-            else list(expr.args)
-        out, prev_number = [], False
-        for i, f in enumerate(factors):
-            if f.is_Rational:
-                if f == 1:
-                    continue
-                t = self._print(f)
-                out.append((r"\cdot " if prev_number else "") + t)
-                prev_number = True
-                continue
-            if self._needs_mul_brackets(f, first=(i == 0), last=(i == len(factors) - 1)):
-                t = self._add_parens(self._print(f) if f.is_Add else self._nobreak(f))
-            else:
-                t = self._print(f)
-            out.append((r"\cdot " if prev_number and t[:1].isdigit() else "") + t)
-            prev_number = False
-        return " ".join(out) if out else "1"
-
-    def _print_Max(self, expr, exp=None):
-        if self._settings["display"] and self._breakable[-1] and exp is None:
-            args = [self._print(a) for a in expr.args]
-            return r"\max\bigl(" + _ARG.join(args) + r"\bigr)"
-        args = ["{%s}" % self._nobreak(a) for a in expr.args]
-        tex = r"\max\left(%s\right)" % ", ".join(args)
-        return tex if exp is None else r"%s^{%s}" % (tex, exp)
-
-    def _print_Min(self, expr, exp=None):
-        args = ["{%s}" % self._nobreak(a) for a in expr.args]
-        tex = r"\min\left(%s\right)" % ", ".join(args)
-        return tex if exp is None else r"%s^{%s}" % (tex, exp)
-
-
-def _printer(group: bool, display: bool) -> LatexPrinter:
-    return LatexPrinter({"group": group, "display": display})
-
-
-def latex(expr, *, group: bool = True, display: bool = False, lhs: str | None = None,
-          width: int = WIDTH) -> str:
-    """``expr`` in LaTeX with symmem's names, sums in the order L, b, s (``group=True``).
-
-    ``display=False`` (the default) gives one line that
-    ``sympy.parsing.latex.parse_latex`` reads back into an equal expression.
-    ``display=True`` gives an ``aligned`` block for a document: long sums broken over
-    lines (about ``width`` characters each), ``\\max`` with one candidate per line;
-    ``lhs`` (LaTeX) is written before the ``=``."""
-    if not display:
-        tex = _printer(group, False).doprint(sp.sympify(expr))
-        return tex if lhs is None else f"{lhs} = {tex}"
-    rows = latex_rows(expr, group=group, lhs=lhs, width=width)
-    return "\\begin{aligned}\n" + " \\\\\n".join(rows) + "\n\\end{aligned}"
-
-
-def latex_rows(expr, *, group: bool = True, lhs: str | None = None, width: int = WIDTH) -> list[str]:
-    """The rows of ``expr``'s display form, each with one ``&`` (for ``aligned`` or
-    ``align*``): a sum broken at ``+``/``-`` into lines of about ``width`` characters, a
-    ``\\max`` with one candidate per row (the candidates in ``expr.args`` order)."""
-    tex = _printer(group, True)._raw(sp.sympify(expr))
-    return _layout(tex, lhs, width)
-
-
-def latex_max_rows(candidates, *, lhs: str | None = None, labels=None, group: bool = True,
-                   width: int = WIDTH) -> list[str]:
-    """``\\max`` of ``candidates`` in the order given (a ``sympy.Max`` sorts its
-    arguments), one candidate per row, each broken into lines of about ``width``;
-    ``labels`` (one per candidate) are written as TeX comments before their rows."""
-    p = _printer(group, True)
-    texs = [p._raw(sp.sympify(c)) for c in candidates]
-    return _max_rows(texs, "" if lhs is None else f"{lhs} = ", width, labels)
-
-
-def _max_rows(texs: list[str], head: str, width: int, labels=None) -> list[str]:
-    rows, avail = [], width - _width(head + r"\max\bigl(\,") - 3
-    for i, cand in enumerate(texs):
-        lines = _pack(cand, avail)
-        lines[-1] += r",\," if i < len(texs) - 1 else r"\,\bigr)"
-        first = head + r"\max\bigl(\, & " if i == 0 else "& "
-        if labels is not None:
-            first = "% " + " ".join(str(labels[i]).split()) + "\n" + first
-        rows.append(first + lines[0])
-        rows += [r"& \quad " + line for line in lines[1:]]
-    return rows
-
-
-def _layout(tex: str, lhs: str | None, width: int) -> list[str]:
-    head = "" if lhs is None else f"{lhs} "
-    if tex.startswith(r"\max\bigl(") and _ARG in tex:
-        body = tex[len(r"\max\bigl("):-len(r"\bigr)")]
-        return _max_rows(body.split(_ARG), head + ("= " if lhs is not None else ""), width)
-    eq = "&= " if lhs is not None else "& "
-    lines = _pack(tex, width - _width(head) - 4)
-    return [head + eq + lines[0]] + [r"& \quad " + line for line in lines[1:]]
-
-
-def _pack(tex: str, width: int) -> list[str]:
-    """Greedy lines of the chunks between break points, each about ``width`` wide."""
-    chunks = tex.replace(_ARG, ", ").split(_BREAK)
-    lines = [chunks[0]]
-    for c in chunks[1:]:
-        if _width(lines[-1]) + _width(c) > width and _width(lines[-1]) > 0:
-            lines.append(c.lstrip())
-        else:
-            lines[-1] += c
-    if len(lines) > 1 and _width(lines[-1]) < 6 and _width(lines[-2] + lines[-1]) <= width + 4:
-        lines[-2:] = [lines[-2] + " " + lines[-1]]     # no widow such as "+ 4" alone
-    return [line.strip() for line in lines]
-
-
-_CMD = re.compile(r"\\([a-zA-Z]+|.)|[{}\s]")
-_CMD_WIDTH = {"max": 3, "min": 3, "quad": 2, ",": 0, "left": 0, "right": 0, "bigl": 1, "bigr": 1,
-              "mathrm": 0, "text": 0, "frac": 0, "underbrace": 0, "begin": 0, "end": 0}
-
-
-def _width(tex: str) -> float:
-    """Roughly how many characters wide ``tex`` typesets (calibrated on pdflatex at 10pt:
-    about 4.7pt a unit, at most 5.1): letters and digits 1, commands as in
-    :data:`_CMD_WIDTH` (others 1), scripts 0.7, binary operators and ``=`` 2.5."""
-    plain = _CMD.sub(lambda m: "" if m.group(1) is None else "x" * round(
-        _CMD_WIDTH.get(m.group(1), 1)), tex)
-    scripts = sum(len(x) for x in re.findall(r"[_^]\{([^{}]*)\}", tex))
-    ops = plain.count("+") + plain.count("-") + plain.count("=")
-    return len(plain) - 0.3 * scripts + 1.5 * ops
-
 
 def latex_breakdown(est: Estimate, point=None, *, underbrace: bool = True, display: bool = True,
                     width: int = WIDTH, **values) -> str:
-    """The peak at one point of the step as the sum of its role parts.
+    """The peak at one point of the step as the sum of its role parts
+    (:func:`symmem.printing.latex_parts` of the point's parts in canonical form).
 
-    ``point`` is a :class:`~symmem.schedule.Point` (e.g. the binding candidate of a
+    ``point`` is a :class:`~symmem.counter.Point` (e.g. the binding candidate of a
     solve); by default the peak point at ``values`` (``b=8, s=1024``). Each part is
     ``\\underbrace{…}_{\\text{role}}`` (``underbrace=True``) or bracketed. ``display=False``
     gives one line; without underbraces that line parses back to the point's total."""
     if point is None:
         point = est.at(**values).peak_point
-    return _breakdown([(role, canonical(e)) for role, e in point.parts], underbrace, display, width)
-
-
-def _breakdown(parts, underbrace=True, display=True, width=WIDTH) -> str:
-    parts = [(role, e) for role, e in parts if sp.expand(e) != 0]
-    if not display:
-        p = _printer(True, False)
-        if underbrace:
-            return " + ".join(r"\underbrace{%s}_{\text{%s}}" % (p.doprint(e), role)
-                              for role, e in parts)
-        return " + ".join(r"{\left(%s\right)}" % p.doprint(e) for _, e in parts)
-    rows = []
-    for i, (role, e) in enumerate(parts):
-        lines = _pack(_printer(True, True)._raw(e), width - 10)
-        body = lines[0] if len(lines) == 1 else \
-            "\\begin{aligned}[t] & " + " \\\\ & \\quad ".join(lines) + " \\end{aligned}"
-        body = (r"\underbrace{%s}_{\text{%s}}" % (body, role)) if underbrace \
-            else (r"\bigl(%s\bigr)" % body)
-        rows.append(("& " if i == 0 else "& + ") + body)
-    return "\\begin{aligned}\n" + " \\\\\n".join(rows) + "\n\\end{aligned}"
-
-
-# ---------------------------------------------------------------------------------- MathML
-
-class MathMLPrinter(_SympyMathMLPrinter):
-    """sympy's presentation-MathML printer with symmem's term order (L, b, s, rest) and
-    ``max`` of many candidates as a one-column table (one candidate per row)."""
-
-    printmethod = "_symmem_mathml"
-    _default_settings = {**_SympyMathMLPrinter._default_settings, "group": True}
-
-    def _as_ordered_terms(self, expr, order=None):
-        terms = list(super()._as_ordered_terms(expr, order=order))
-        if self._settings["group"]:
-            terms.sort(key=_group)
-        return terms
-
-    def _mo(self, text):
-        mo = self.dom.createElement("mo")
-        mo.appendChild(self.dom.createTextNode(text))
-        return mo
-
-    def _print_Max(self, expr):
-        return self._max(expr.args)
-
-    def _max(self, args):
-        mrow = self.dom.createElement("mrow")
-        mi = self.dom.createElement("mi")
-        mi.appendChild(self.dom.createTextNode("max"))
-        mrow.appendChild(mi)
-        mrow.appendChild(self._mo("("))
-        if len(args) > 2:
-            table = self.dom.createElement("mtable")
-            table.setAttribute("columnalign", "left")
-            for i, arg in enumerate(args):
-                tr, td = self.dom.createElement("mtr"), self.dom.createElement("mtd")
-                cell = self.dom.createElement("mrow")
-                cell.appendChild(self._print(arg))
-                cell.appendChild(self._mo("," if i < len(args) - 1 else ")"))
-                td.appendChild(cell)
-                tr.appendChild(td)
-                table.appendChild(tr)
-            mrow.appendChild(table)
-            return mrow
-        for i, arg in enumerate(args):
-            if i:
-                mrow.appendChild(self._mo(","))
-            mrow.appendChild(self._print(arg))
-        mrow.appendChild(self._mo(")"))
-        return mrow
-
-
-def _math(body: str, lhs, display: bool) -> str:
-    if lhs is not None:
-        left = f"<mi>{html_escape(lhs)}</mi>" if isinstance(lhs, str) else \
-            MathMLPrinter().doprint(sp.sympify(lhs))
-        body = f"<mrow>{left}<mo>=</mo>{body}</mrow>"
-    return f'<math display="{"block" if display else "inline"}">{body}</math>'
-
-
-def mathml(expr, *, lhs: str | None = None, display: bool = True, group: bool = True) -> str:
-    """``expr`` as ``<math display="block">…</math>`` (``display=False``: inline), in
-    presentation MathML; ``lhs`` (plain text, escaped here, or a sympy expression) is
-    written before ``=``."""
-    return _math(MathMLPrinter({"group": group}).doprint(sp.sympify(expr)), lhs, display)
-
-
-def mathml_max(candidates, *, lhs: str | None = None, group: bool = True) -> str:
-    """``max`` of ``candidates`` in the order given, one per row of a table."""
-    p = MathMLPrinter({"group": group})
-    node = p._max([sp.sympify(c) for c in candidates])
-    return _math(node.toxml().encode("ascii", "xmlcharrefreplace").decode(), lhs, True)
-
-
-def mathml_breakdown(parts) -> str:
-    """``[(role, expr), …]`` as a sum of parts, one per row, each labelled with its role
-    (a table rather than underbraces: browsers stretch an underbrace only with a math
-    font installed)."""
-    p = MathMLPrinter({"group": True})
-    rows = []
-    for i, (role, e) in enumerate(p for p in parts if sp.expand(p[1]) != 0):
-        plus = "<mo>+</mo>" if i else "<mphantom><mo>+</mo></mphantom>"
-        rows.append("<mtr><mtd><mtext>%s</mtext></mtd><mtd><mrow>%s%s</mrow></mtd></mtr>"
-                    % (html_escape(role), plus, p.doprint(e)))
-    return ('<math display="block"><mtable columnalign="right left">%s</mtable></math>'
-            % "".join(rows))
-
-
-# -------------------------------------------------------------------------------- escaping
-
-_TEX = {"\\": r"\textbackslash{}", "{": r"\{", "}": r"\}", "$": r"\$", "&": r"\&", "#": r"\#",
-        "^": r"\textasciicircum{}", "_": r"\_", "~": r"\textasciitilde{}", "%": r"\%",
-        "<": r"\textless{}", ">": r"\textgreater{}", "|": r"\textbar{}"}
-_ACCENTS = {"\u0300": "`", "\u0301": "'", "\u0302": "^", "\u0303": "~", "\u0308": '"',
-            "\u0327": "c", "\u030a": "r", "\u030c": "v"}
-
-
-def tex_escape(text) -> str:
-    """``text`` as LaTeX text that prints it literally: ``\\ { } $ & # ^ _ ~ % < > |``
-    escaped; accented Latin letters as accent commands; other non-ASCII characters as
-    ``[U+XXXX]`` (pdfLaTeX has no glyph for them); control characters as spaces."""
-    out = []
-    for ch in str(text):
-        if ch in _TEX:
-            out.append(_TEX[ch])
-        elif " " <= ch <= "~":
-            out.append(ch)
-        elif ch in "\t\n\r" or unicodedata.category(ch).startswith("C"):
-            out.append(" ")
-        elif ch == "ß":
-            out.append(r"\ss{}")
-        else:
-            base, *marks = unicodedata.normalize("NFD", ch)
-            if base.isascii() and base.isalpha() and len(marks) == 1 and marks[0] in _ACCENTS:
-                out.append("\\%s{%s}" % (_ACCENTS[marks[0]], base))
-            else:
-                out.append(f"[U+{ord(ch):04X}]")
-    return "".join(out)
-
-
-def html_escape(text) -> str:
-    """``text`` for HTML text and attribute values (markupsafe: ``& < > " '``)."""
-    import markupsafe
-    return str(markupsafe.escape(str(text)))
-
-
-_MD = re.compile(r"([\\`*_\[\]|~$])")
-
-
-def md_escape(text) -> str:
-    """``text`` for Markdown, inside a line: the inline markup characters
-    (``\\ ` * _ [ ] | ~ $``) backslash-escaped, ``& < >`` as HTML entities (a Markdown
-    renderer passes raw HTML through)."""
-    return _MD.sub(r"\\\1", html_escape(text).replace("&#39;", "'").replace("&#34;", '"'))
-
-
-def _rst_parts(text: str):
-    """Split a docstring's text at ````code```` spans: [(text, is_code), …]."""
-    parts = re.split(r"``(.+?)``", text)
-    return [(p, i % 2 == 1) for i, p in enumerate(parts) if p]
-
-
-def _rst_tex(text) -> str:
-    return "".join(r"\texttt{%s}" % tex_escape(p) if code else tex_escape(p)
-                   for p, code in _rst_parts(str(text)))
-
-
-def _rst_html(text) -> str:
-    return "".join(f"<code>{html_escape(p)}</code>" if code else html_escape(p)
-                   for p, code in _rst_parts(str(text)))
-
-
-def _rst_md(text) -> str:
-    return "".join("`%s`" % p.replace("`", "'").replace("|", "\\|") if code else md_escape(p)
-                   for p, code in _rst_parts(str(text)))
-
-
-# ------------------------------------------------------------------------------- templates
-
-def _tex_num(n) -> str:
-    """A number in math mode: ``76{,}540{,}929{,}639`` (no space after the commas)."""
-    v = sp.sympify(n)
-    return f"{int(v):,}".replace(",", "{,}") if v.is_Integer else latex(v)
+    return latex_parts([(role, canonical(e)) for role, e in point.parts],
+                       underbrace=underbrace, display=display, width=width)
 
 
 @lru_cache(maxsize=4)
@@ -515,17 +95,17 @@ def environment(path: str | None = None):
     env.globals["symbol"] = sp.Symbol
     env.filters.update(
         tex_escape=tex_escape, html_escape=html_escape, md_escape=md_escape,
-        rst_tex=_rst_tex, rst_html=_rst_html, rst_md=_rst_md,
+        rst_tex=rst_tex, rst_html=rst_html, rst_md=rst_md,
         tex=lambda e: latex(e),
         tex_display=lambda e, lhs=None: latex(e, display=True, lhs=lhs),
         tex_align=lambda e, lhs=None: rows(latex_rows(e, lhs=lhs)),
         tex_max=lambda cands, lhs=None, labels=False: rows(latex_max_rows(
             [c for _, c in cands], lhs=lhs, labels=[w for w, _ in cands] if labels else None)),
-        tex_breakdown=lambda parts, underbrace=True: _breakdown(parts, underbrace),
-        tex_num=_tex_num,
+        tex_breakdown=lambda parts, underbrace=True: latex_parts(parts, underbrace=underbrace),
+        tex_num=tex_number,
         mathml=lambda e, lhs=None, display=True: mathml(e, lhs=lhs, display=display),
         mathml_max=lambda cands, lhs=None: mathml_max([c for _, c in cands], lhs=lhs),
-        mathml_breakdown=mathml_breakdown,
+        mathml_breakdown=mathml_parts,
         commas=lambda n: f"{n:,}",
         gib=lambda n: f"{n / GiB:,.2f}",
         pct=lambda x: f"{x:.1f}",
@@ -612,14 +192,53 @@ def _boundary(sol, est, s_value):
     return out
 
 
-def report_context(est: Estimate, *, b: int, s: int, budget=None, gpu=None, reserve="10%",
+def _answer(solution, budget, s_value):
+    """``(budget, solution, infeasible)`` for the report from what the caller passed:
+    the Budget (by default the solution's total and reserve), the Solution or None, and
+    the first line of an Infeasible's message or None. Raises ConfigError when they do
+    not belong together."""
+    if solution is None:
+        if budget is not None:
+            raise ConfigError("solution", None, "the answer of max_batch for the budget given",
+                              "Pass solution=symmem.solve.max_batch(est, budget, s=...) "
+                              "(or the Infeasible it raises) with budget=.")
+        return None, None, None
+    if isinstance(solution, Infeasible):
+        if budget is None:
+            raise ConfigError("budget", None, "the Budget that nothing fits",
+                              "Pass budget= with an Infeasible solution.")
+        if solution.symbol != "b" or solution.usable != budget.usable:
+            raise ConfigError("solution", str(solution).splitlines()[0],
+                              f"max_batch's answer for {budget.label}")
+        return budget, None, str(solution).splitlines()[0]
+    if solution.symbol != "b" or solution.direction != "max":
+        raise ConfigError("solution", f"{solution.direction} {solution.symbol}",
+                          "the largest micro-batch b (symmem.solve.max_batch)")
+    if solution.fixed.get("s", s_value) != s_value:
+        raise ConfigError("solution", f"solved at s = {solution.fixed['s']}",
+                          f"a solution at the report's s = {s_value}")
+    if budget is None:
+        budget = Budget(total=solution.total, reserve=solution.reserve)
+    elif (budget.total, budget.reserve) != (solution.total, solution.reserve):
+        raise ConfigError("budget", budget.label,
+                          f"the budget the solution was solved for ({solution.total:,} bytes "
+                          f"less a reserve of {solution.reserve:,})")
+    return budget, solution, None
+
+
+def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budget | None = None,
                    title: str | None = None) -> dict:
     """Everything a report shows, as data (sympy expressions, integers, plain text): the
-    templates format it. ``budget`` (bytes or a size such as ``"80GiB"``) or ``gpu`` (a
-    catalog name) adds the largest micro-batch that fits, less ``reserve``."""
+    templates format it. Nothing is solved here.
+
+    ``solution`` adds the largest micro-batch that fits a budget: what
+    :func:`symmem.solve.max_batch` returned for it at this ``s`` (a
+    :class:`~symmem.solve.Solution`), or the :class:`~symmem.errors.Infeasible` it raised
+    (the report says that nothing fits). ``budget`` is that :class:`~symmem.gpus.Budget`
+    (its label names the device); with a Solution it defaults to the solution's total and
+    reserve, with an Infeasible it is required."""
     from . import __version__
-    from .gpus import budget as make_budget
-    from .solve import max_batch
+    bud, sol, infeasible = _answer(solution, budget, s)
     b_sym, s_sym = TABLE["b"].symbol, TABLE["s"].symbol
     ev = est.at(b=b, s=s)
     peak = ev.peak
@@ -630,13 +249,6 @@ def report_context(est: Estimate, *, b: int, s: int, budget=None, gpu=None, rese
     parts = [(role, canonical(e)) for role, e in point.parts if sp.expand(e) != 0]
     peak_parts = [{"role": r, "bytes": ev.peak_parts[r], "pct": 100 * ev.peak_parts[r] / peak}
                   for r in ROLES if ev.peak_parts.get(r)]
-    bud = sol = infeasible = None
-    if budget is not None or gpu is not None:
-        bud = make_budget(gpu=gpu, bytes=budget, reserve=reserve)
-        try:
-            sol = max_batch(est, bud.total, reserve=bud.reserve, s=s)
-        except Infeasible as e:
-            infeasible = str(e).splitlines()[0]
     shown = [*est.components.values(), est.peak]
     boundary = _boundary(sol, est, s) if sol is not None else None
     if boundary is not None:
@@ -688,13 +300,14 @@ def report_context(est: Estimate, *, b: int, s: int, budget=None, gpu=None, rese
     }
 
 
-def render(est: Estimate, fmt: str, *, b: int, s: int, budget=None, gpu=None, reserve="10%",
-           title: str | None = None) -> str:
+def render(est: Estimate, fmt: str, *, b: int, s: int, solution=None,
+           budget: Budget | None = None, title: str | None = None) -> str:
     """A report of ``est`` at ``b`` and ``s`` as ``fmt``: ``"latex"`` (a standalone
     document for pdflatex), ``"markdown"`` (``$$`` math blocks) or ``"html"`` (one
-    self-contained page, math in MathML). With ``budget`` or ``gpu``, the report adds
-    the largest micro-batch that fits (less ``reserve``) and its closed form."""
+    self-contained page, math in MathML). With ``solution`` (and ``budget``), as
+    :func:`report_context` takes them, the report adds the largest micro-batch that fits
+    and its closed form, or says that nothing fits."""
     if fmt not in FORMATS:
         raise ConfigError("format", fmt, f"one of {', '.join(FORMATS)}")
-    ctx = report_context(est, b=b, s=s, budget=budget, gpu=gpu, reserve=reserve, title=title)
+    ctx = report_context(est, b=b, s=s, solution=solution, budget=budget, title=title)
     return environment().get_template(FORMATS[fmt]).render(**ctx)

@@ -25,7 +25,7 @@ import sympy as sp
 from .engine import Estimate, _prune, canonical
 from .errors import ConfigError, UnknownName
 from .graph import Graph
-from .schedule import Point
+from .counter import Point
 from .symbols import DIMENSIONS, symbol
 
 __all__ = ["leading_term", "order", "orders", "elasticity", "dominant", "regimes", "Regime",
@@ -364,7 +364,14 @@ def _check_requirements(est: Estimate, names, point: dict) -> None:
     """Every grid point must satisfy the model's requirements (e.g. ``s <= s_max``)."""
     syms = [symbol(n) for n in names]
     fixed = {k: v for k, v in est.bindings.items() if k not in syms}
-    for lhs, rhs, reason in est.graph.requirements:
+    for req in est.requirements:
+        lhs, rhs, reason, kind = req
+        if kind != "at most":        # divisibility: checked point by point
+            for i in range(point[names[0]].size):
+                err = req.broken({**fixed, **{x: sp.Integer(int(point[x.name].flat[i])) for x in syms}})
+                if err is not None:
+                    raise err
+            continue
         d = (lhs - rhs).xreplace(fixed)
         if d.free_symbols - set(syms):
             continue

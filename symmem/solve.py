@@ -20,11 +20,11 @@ from fractions import Fraction
 
 import sympy as sp
 
-from .dtypes import format_bytes
 from .engine import Estimate, Evaluation, canonical
 from .errors import ConfigError, Infeasible
 from .gpus import as_budget
-from .schedule import Point
+from .printing import format_bytes, html_escape, html_table, latex, mathml, values_text
+from .counter import Point
 from .symbols import M, R, symbol as lookup
 
 __all__ = ["Solution", "solve", "max_batch", "max_seq", "frontier"]
@@ -83,7 +83,6 @@ class Solution:
         return "\n".join(lines)
 
     def _repr_latex_(self) -> str:
-        from .render import latex   # symmem's printer: grouped by L, b, s; parses back
         # "\max\, s" rather than s_{\max}, which is the name of the symbol s_max
         name = f"\\{self.direction}\\, {latex(lookup(self.symbol))}"
         if self.boundary is None:
@@ -91,26 +90,26 @@ class Solution:
         return f"${name} = {latex(self.boundary)} = {self.value}$"
 
     def _repr_html_(self) -> str:
-        from .engine import _esc, _html_table, _mathml, _values_text
+        esc = html_escape
         x, at, past = self.symbol, self.at_value, self.past_value
-        rows = [[f"peak at {_esc(x)} = {self.value:,}",
-                 f"{at.peak:,} bytes ({_esc(format_bytes(at.peak))}) &le; usable {self.usable:,} "
-                 f"({_esc(format_bytes(self.total))} &minus; reserve {_esc(format_bytes(self.reserve))})"]]
+        rows = [[f"peak at {esc(x)} = {self.value:,}",
+                 f"{at.peak:,} bytes ({esc(format_bytes(at.peak))}) &le; usable {self.usable:,} "
+                 f"({esc(format_bytes(self.total))} &minus; reserve {esc(format_bytes(self.reserve))})"]]
         if past is not None:
             step = self.value + (1 if self.direction == "max" else -1)
-            rows.append([f"peak at {_esc(x)} = {step:,}",
-                         f"{past.peak:,} bytes ({_esc(format_bytes(past.peak))}) &gt; usable"])
+            rows.append([f"peak at {esc(x)} = {step:,}",
+                         f"{past.peak:,} bytes ({esc(format_bytes(past.peak))}) &gt; usable"])
         if self.limit:
-            rows.append(["limited by the model", _esc(self.limit)])
+            rows.append(["limited by the model", esc(self.limit)])
         else:
-            rows.append(["binding", _esc(self.binding.where)])
+            rows.append(["binding", esc(self.binding.where)])
         for name, form in (("boundary", self.boundary), ("with the numbers", self.boundary_numeric)):
             if form is not None:
-                rows.append([name, _mathml(sp.Eq(lookup(x), form, evaluate=False))])
+                rows.append([name, mathml(sp.Eq(lookup(x), form, evaluate=False), display=False)])
         if self.fixed:
-            rows.append(["fixed", _esc(_values_text(self.fixed))])
-        return (f"<div><p><b>{_esc(self.direction)} {_esc(x)} = {self.value:,}</b></p>"
-                + _html_table(None, rows) + "</div>")
+            rows.append(["fixed", esc(values_text(self.fixed))])
+        return (f"<div><p><b>{esc(self.direction)} {esc(x)} = {self.value:,}</b></p>"
+                + html_table(None, rows) + "</div>")
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(f"Solution({self.symbol} = {self.value})" if cycle else str(self))
@@ -198,8 +197,8 @@ def _beyond(est, fixed, symbol, value) -> bool:
 
 def _cap(est: Estimate, x, subs) -> tuple[int | None, str | None]:
     """The model's own upper limit on ``x`` (e.g. s <= s_max), if it has one."""
-    for lhs, rhs, reason in est.graph.requirements:
-        if lhs == x:
+    for lhs, rhs, reason, kind in est.requirements:
+        if lhs == x and kind == "at most":
             v = rhs.xreplace(subs)
             if v.is_number:
                 return int(v), f"{x} <= {rhs} = {int(v)}: {reason}"

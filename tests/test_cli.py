@@ -29,7 +29,7 @@ GPT2_PARAMS = 124_439_808
 #   = 98,304 + 1,664 + 72,192 + 128 = 172,288 parameters -> 689,152 bytes in fp32.
 TINY_PARAMS = 172_288
 COMPONENTS = ("params", "grads", "master", "optimizer", "activations")
-ROLES = ("params", "master", "optimizer", "grads", "activations", "transient")
+ROLES = ("params", "master", "optimizer", "grads", "activations", "batch", "transient")
 
 
 def run(capsys, *argv):
@@ -74,7 +74,8 @@ def test_json_shape(capsys):
     j = run_json(capsys, *GPT2)
     assert j["inputs"] == {"model": "gpt2", "config": None, "batch": 8, "seq": 1024,
                            "precision": "fp32", "optimizer": "adamw", "device": "cuda",
-                           "implementation": "auto", "implementation_resolved": "foreach"}
+                           "implementation": "auto", "recompute": "none", "accumulate": 1,
+                           "attention": "eager", "parallel": "none", "implementation_resolved": "foreach"}
     assert set(j["bytes"]) == {*COMPONENTS, "peak"}
     assert set(j["peak_breakdown"]) == set(ROLES)
     assert set(j["components"]) == set(COMPONENTS)

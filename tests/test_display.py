@@ -179,17 +179,52 @@ def test_solution_limited_by_the_model(est):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-master"])
-def test_describe_saves_what_the_schedule_prepares(precision):
-    from symmem.schedule import _Prepared
+def test_describe_lists_what_the_plan_saves(precision):
+    """graph.describe lists, per node (a block's body in its first iteration), what the
+    rules save; the plan's forward holds exactly those tensors for backward."""
+    from symmem.footprints import trace
+    from symmem.lowering import autograd, lower
+    from symmem.plan import Compute
     g, policy = sm.models.preset("gpt2"), sm.Policy(precision=precision)
-    prep = _Prepared(g, policy)
+    t, plan = trace(g, policy), lower(g, policy)
     saved = g._saved(policy)
-    assert set(saved) == set(prep.fp)
-    for name, fp in prep.fp.items():
-        assert [t[0] for t in saved[name]] == [sv.label for sv in fp.saved]
-        for (label, value, numel, nbytes), sv in zip(saved[name], fp.saved):
+    firsts = {i.name: i for i in t.instances() if i.copy <= 1}
+    assert set(saved) == set(firsts)
+    holds = {e.node: [h for h in e.holds if h.holder == autograd(e.node, e.copy)]
+             for e in plan.forward if isinstance(e, Compute) and e.copy <= 1}
+    for name, inst in firsts.items():
+        assert [row[0] for row in saved[name]] == [sv.label for sv in inst.fp.saved]
+        assert len(holds[name]) == len(inst.fp.saved)
+        for (label, value, numel, nbytes), sv in zip(saved[name], inst.fp.saved):
             if sv.ref == "new" or sv.ref.startswith("cast:"):
                 assert (value, numel, nbytes) == (None, sv.numel, sv.dtype.nbytes)
             else:                                # a tensor of the graph: its storage
-                assert prep.storage[value] == prep.saved_key(prep.nodes[name], sv)
-                assert numel * nbytes == prep.info[value].nbytes
+                where = inst.inputs[int(sv.ref[2:])] if sv.ref.startswith("in") else (name, inst.copy)
+                assert numel * nbytes == t.info[where].nbytes
+
+
+# ----- symmem.printing: the helpers every display uses ------------------------------
+
+def test_html_table_escapes_the_header_and_indents_rows():
+    from symmem.printing import html_table
+    out = html_table(["role", "a<b"], [["x", "1"], ["y", "2"]], right=(1,), indent=[0, 1])
+    assert out.startswith("<table><thead><tr><th style='text-align:left'>role</th>"
+                          "<th style='text-align:right'>a&lt;b</th></tr></thead>")
+    assert "<td style='text-align:left;padding-left:2.0em'>y</td>" in out
+    assert out.count("<tr>") == 3 and "<thead>" not in html_table(None, [["x"]])
+
+
+def test_values_in_text_and_latex():
+    from symmem.printing import tex_number, tex_values, values_text
+    assert values_text({"b": 8, "s": 1024}) == "b = 8, s = 1024"
+    assert tex_values({"b": 8, "s_max": 1024}) == "b = 8, s_{\\max} = 1024"
+    assert tex_number(21_071_077_892) == "21{,}071{,}077{,}892"
+
+
+def test_displays_print_with_printing(est):
+    """The Jupyter displays' formulas are symmem.printing's: the same LaTeX and MathML."""
+    from symmem.printing import latex, mathml
+    assert est._repr_latex_() == "$" + latex(est.peak) + "$"
+    out = est._repr_html_()
+    for v in est.components.values():
+        assert mathml(v, display=False) in out

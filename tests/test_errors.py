@@ -62,7 +62,7 @@ def test_unknown_names_suggest_the_closest():
         sm.Policy(precision="bf16")
     with pytest.raises(UnknownName, match="unknown optimizer 'adamm'. Did you mean 'adam'?"):
         sm.Policy(optimizer="adamm")
-    with pytest.raises(ConfigError, match="device = 'tpu' is not valid: expected 'cuda' or 'cpu'."):
+    with pytest.raises(UnknownName, match="unknown device 'tpu'. Did you mean 'cpu'. Known: cuda, cpu."):
         sm.Policy(device="tpu")
     with pytest.raises(UnknownName, match="unknown activation_function 'swish'"):
         sm.models.from_hf_config({**GPT2, "activation_function": "swish"})

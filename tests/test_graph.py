@@ -85,14 +85,14 @@ def test_tiny_repeat_equals_unrolled(policy, n):
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
-def test_a_block_that_changes_its_input_dtype_is_peeled(n):
+def test_a_block_that_changes_its_input_dtype_has_a_first_iteration_of_its_own(n):
     """Under autocast the tiny block turns its float32 input (the embedding) into bfloat16
-    (the relu of a linear): the first iteration is written out, the rest repeat alike."""
+    (the relu of a linear): its first iteration differs from the rest, which repeat alike;
+    the formulas hold from two iterations on."""
     g = tiny()
     policy = sm.Policy("bf16-mixed", "adamw")
     est = sm.estimate(g, policy)
-    assert [n.name for n in est.graph.items][:3] == ["ids", "embed", "layer.0/scale"]
-    assert sp.expand(est.graph.param_count() - g.param_count()) == 0
+    assert any(r.lhs == 2 and r.rhs == L for r in est.requirements)
     g.bindings[L] = n
     assert_repeat_matches_unrolled(est, sm.estimate(g.unrolled(), policy), n)
     with pytest.raises(ConfigError, match="^L = 1 is not valid: expected at least 2: the block 'layer' "

@@ -8,7 +8,7 @@ import symmem as sm
 from symmem import plots
 from symmem.errors import ConfigError
 from symmem.gpus import budget
-from symmem.schedule import ROLES
+from symmem.plan import ROLES
 from symmem.solve import solve
 
 GIB = 2**30

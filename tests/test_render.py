@@ -17,6 +17,7 @@ import symmem as sm
 from symmem import render as rd
 from symmem.cli import main
 from symmem.engine import canonical
+from symmem.errors import Infeasible
 from symmem.gpus import budget as make_budget
 from symmem.solve import max_batch, max_seq
 from symmem.symbols import TABLE
@@ -26,6 +27,16 @@ NASTY = r"my_model 100% & $x\y <script>alert(1)</script> {a}^~#"
 
 
 # ----------------------------------------------------------------------------- fixtures
+
+def answer(est, *, s, gpu=None, budget=None, reserve="10%") -> dict:
+    """What the report command passes to render: the budget and max_batch's answer for it
+    at ``s`` (the Solution, or the Infeasible it raised)."""
+    bud = make_budget(gpu=gpu, bytes=budget, reserve=reserve)
+    try:
+        return {"budget": bud, "solution": max_batch(est, bud, s=s)}
+    except Infeasible as e:
+        return {"budget": bud, "solution": e}
+
 
 @pytest.fixture(scope="module")
 def ests():
@@ -42,7 +53,8 @@ def est16(ests):
 @pytest.fixture(scope="module")
 def reports(est16):
     """The three formats of gpt2, bf16-mixed, b=8, s=1024, on an H100 (10% reserve)."""
-    return {fmt: rd.render(est16, fmt, b=8, s=1024, gpu=GPT2_BUDGET) for fmt in rd.FORMATS}
+    given = answer(est16, s=1024, gpu=GPT2_BUDGET)
+    return {fmt: rd.render(est16, fmt, b=8, s=1024, **given) for fmt in rd.FORMATS}
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +140,8 @@ def test_breakdown_parses_back_to_the_peak_point(est16):
     assert sp.expand(_parse(tex) - ev.peak_point.total) == 0
     shown = rd.latex_breakdown(est16, b=8, s=1024)
     assert shown.startswith(r"\begin{aligned}") and r"\underbrace{" in shown
-    assert [r for r in ("params", "optimizer", "activations", "transient")
-            if r"_{\text{%s}}" % r in shown] == [r for r, v in ev.peak_parts.items() if v]
+    assert [r for r in ev.peak_parts if r"_{\text{%s}}" % r in shown] == \
+        [r for r, v in ev.peak_parts.items() if v]
 
 
 def _unlayout(tex: str) -> str:
@@ -264,7 +276,8 @@ def test_latex_report_compiles(reports, tmp_path):
 
 
 def test_latex_with_user_text_still_compiles(est16, tmp_path):
-    tex = rd.render(est16, "latex", b=1, s=64, budget="1GiB", reserve=0, title=NASTY + " café 模型")
+    tex = rd.render(est16, "latex", b=1, s=64, **answer(est16, s=64, budget="1GiB", reserve=0),
+                    title=NASTY + " café 模型")
     pdf = _pdflatex(tex, tmp_path)
     text = _pdf_text(pdf)
     if text is not None:
@@ -274,6 +287,7 @@ def test_latex_with_user_text_still_compiles(est16, tmp_path):
 # ----------------------------------------------------------------------------- contents
 
 def test_every_format_holds_glossary_formulas_numbers_and_boundary(est16, reports, solution):
+    from symmem.rules import RULES
     ev = est16.at(b=8, s=1024)
     numbers = [f"{ev.bytes[k]:,}" for k in ("params", "optimizer", "activations", "peak")] + \
         [f"{ev.peak_parts['transient']:,}", f"{ev.bytes['activations'] / 2**30:,.2f}"]
@@ -286,7 +300,8 @@ def test_every_format_holds_glossary_formulas_numbers_and_boundary(est16, report
                 rd.tex_escape(info.meaning) in text, (fmt, info.meaning)
         assert "backward log" in text                  # where the peak is
         assert "85,045,477,376" in text and "76,540,929,639" in text   # M and M - R
-        assert "symmem.rules.layer_norm_rule" in text.replace(r"\_", "_")
+        layer_norm = RULES["layer_norm"]             # the rule's home, wherever it lives
+        assert f"{layer_norm.__module__}.{layer_norm.__name__}" in text.replace(r"\_", "_")
         assert "Korthikanti" in text and "Rajbhandari" in text
     tex, md, html = reports["latex"], reports["markdown"], reports["html"]
     for k, v in est16.components.items():
@@ -305,8 +320,42 @@ def test_no_budget_no_boundary(est16):
 
 
 def test_infeasible_budget_is_reported(est16):
-    md = rd.render(est16, "markdown", b=8, s=1024, budget="1GiB")
+    given = answer(est16, s=1024, budget="1GiB")
+    assert isinstance(given["solution"], Infeasible)
+    md = rd.render(est16, "markdown", b=8, s=1024, **given)
     assert "Nothing fits at $s = 1{,}024$: no value of b fits" in md
+
+
+def test_reports_take_the_solution_and_never_solve(est16, reports, solution, monkeypatch):
+    """render formats the answer it is given: the solver is not called, and a Solution
+    alone gives the same numbers (its budget named by its sizes)."""
+    import symmem.solve
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("render called the solver")
+    monkeypatch.setattr(symmem.solve, "max_batch", refuse)
+    monkeypatch.setattr(symmem.solve, "solve", refuse)
+    md = rd.render(est16, "markdown", b=8, s=1024, solution=solution)
+    assert r"$b_{\max} = 30$" in md and "76,540,929,639" in md
+    assert "Budget: 79.20 GiB minus a 7.92 GiB reserve" in md
+    bud = make_budget(gpu=GPT2_BUDGET)
+    assert rd.render(est16, "markdown", b=8, s=1024, solution=solution, budget=bud) == \
+        reports["markdown"]
+
+
+def test_a_solution_that_does_not_belong_is_a_config_error(est16, solution):
+    with pytest.raises(sm.ConfigError, match="a solution at the report's s = 512"):
+        rd.render(est16, "markdown", b=8, s=512, solution=solution)
+    with pytest.raises(sm.ConfigError, match="the budget the solution was solved for"):
+        rd.render(est16, "markdown", b=8, s=1024, solution=solution,
+                  budget=make_budget(bytes="1GiB"))
+    with pytest.raises(sm.ConfigError, match="the answer of max_batch for the budget given"):
+        rd.render(est16, "markdown", b=8, s=1024, budget=make_budget(gpu=GPT2_BUDGET))
+    with pytest.raises(sm.ConfigError, match="the largest micro-batch b"):
+        rd.render(est16, "markdown", b=8, s=1024, solution=max_seq(est16, "16GiB", b=8))
+    infeasible = answer(est16, s=1024, budget="1GiB")["solution"]
+    with pytest.raises(sm.ConfigError, match="the Budget that nothing fits"):
+        rd.render(est16, "markdown", b=8, s=1024, solution=infeasible)
 
 
 def test_markdown_has_math_blocks(reports):
@@ -359,12 +408,12 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def test_cli_report_to_a_file(capsys, tmp_path, est16):
+def test_cli_report_to_a_file(capsys, tmp_path, reports):
     out = tmp_path / "gpt2.tex"
     code, stdout, err = run(capsys, "report", "gpt2", "--batch", 8, "--seq", 1024, "--precision",
                             "bf16-mixed", "--gpu", GPT2_BUDGET, "--format", "latex", "-o", out)
     assert code == 0 and stdout == "" and f"wrote {out}" in err
-    assert out.read_text() == rd.render(est16, "latex", b=8, s=1024, gpu=GPT2_BUDGET)
+    assert out.read_text() == reports["latex"]
 
 
 def test_cli_report_to_stdout_defaults(capsys):

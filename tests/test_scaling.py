@@ -143,10 +143,11 @@ def test_elasticity_of_formulas():
 
 
 def test_peak_elasticity_follows_the_peak_candidate(est):
-    """At b = 1, s = 128 the peak is the optimizer step, free of b: elasticity 0 exactly.
-    At b = 8 the peak is in backward and grows with b, but less than proportionally."""
+    """At b = 1, s = 128 the peak is the optimizer step: 20N + 4 (the loss) + 8bs (the input
+    ids, on the device for the whole step), so d ln M / d ln b = 8bs / M = 1024 / 2,488,797,188
+    exactly. At b = 8 the peak is in backward and grows with b, but less than proportionally."""
     assert est.at(b=1, s=128).peak_point.phase == "optimizer"
-    assert sc.elasticity(est, b, {"b": 1, "s": 128}) == 0
+    assert sc.elasticity(est, b, {"b": 1, "s": 128}) == sp.Rational(8 * 128, 20 * N_GPT2 + 4 + 8 * 128)
     e = sc.elasticity(est, b, {"b": 8, "s": 128})
     assert 0 < e < 1
 
@@ -180,14 +181,15 @@ def test_elasticity_checks_requirements(est):
 
 def test_dominant_and_regimes_crossover(est):
     """fp32 AdamW, s = 128. Small b: the peak is the optimizer step with params 4N, grads 4N,
-    Adam states 8N and foreach's temporary 4N (+4 bytes: the loss), so the optimizer states
-    hold 8N / (20N + 4) of it. Large b: activations (proportional to b) win."""
+    Adam states 8N and foreach's temporary 4N (+4 bytes: the loss; + 8bs: the input ids), so
+    the optimizer states hold 8N / (20N + 4 + 8bs) of it. Large b: activations (proportional
+    to b) win."""
     assert sc.dominant(est, {"b": 1, "s": 128}) == "optimizer"
     assert sc.dominant(est, {"b": 64, "s": 128}) == "activations"
     rows = sc.regimes(est, "b", [1, 2, 4, 8, 16, 32, 64], {"s": 128})
     assert [r.role for r in rows] == ["optimizer"] * 3 + ["activations"] * 4
     assert [r.value for r in rows] == [1, 2, 4, 8, 16, 32, 64]
-    assert rows[0].share == pytest.approx(8 * N_GPT2 / (20 * N_GPT2 + 4), rel=1e-12)
+    assert rows[0].share == pytest.approx(8 * N_GPT2 / (20 * N_GPT2 + 4 + 8 * 128), rel=1e-12)
     shares = [r.share for r in rows[3:]]
     assert shares == sorted(shares) and all(0 < x < 1 for x in shares)
     value, role, share = rows[-1]                         # a plain (value, role, share) tuple
@@ -195,15 +197,18 @@ def test_dominant_and_regimes_crossover(est):
 
 
 def test_regimes_grouped_model_states(est):
-    """Grouped, the model states (16N at the optimizer step: 16/20 of the peak, less 4 bytes)
+    """Grouped, the model states (16N at the optimizer step: 16/20 of the peak, less the loss's
+    4 bytes and the input ids' 8bs)
     dominate up to b = 8, where the backward peak holds params 4N + Adam 8N = 12N =
-    1,493,277,696 bytes against 1,458,852,864 of saved activations; from b = 16 activations."""
+    1,493,277,696 bytes against 1,458,844,672 of saved activations; from b = 16 activations."""
     rows = sc.regimes(est, b, [1, 8, 16], {"s": 128}, grouped=True)
     assert [r.role for r in rows] == ["model_states", "model_states", "activations"]
-    assert rows[0].share == pytest.approx(16 * N_GPT2 / (20 * N_GPT2 + 4), rel=1e-12)
+    assert rows[0].share == pytest.approx(16 * N_GPT2 / (20 * N_GPT2 + 4 + 8 * 128), rel=1e-12)
     parts = est.at(b=8, s=128).peak_parts
     assert parts["params"] + parts["optimizer"] == 12 * N_GPT2 == 1_493_277_696
-    assert parts["activations"] == 1_458_852_864
+    # the saved activations, less the input ids the embedding saves: they are the batch's
+    assert parts["activations"] == 1_458_852_864 - 8 * 8 * 128 == 1_458_844_672
+    assert parts["batch"] == 8 * 8 * 128
 
 
 def test_regimes_rejects_empty(est):
@@ -268,8 +273,8 @@ def _check_sweep(est, cols):
         for c in ("params", "grads", "master", "optimizer", "activations", "peak"):
             assert int(cols[c][i]) == ev.bytes[c]
         assert cols["peak_gib"][i] == pytest.approx(ev.peak / 2**30)
-    # b = 1, s = 128: the optimizer step, 20N + 4 = 2,488,796,164 bytes
-    assert int(cols["peak"][0]) == 20 * N_GPT2 + 4 == 2_488_796_164
+    # b = 1, s = 128: the optimizer step, 20N + 4 (the loss) + 8*1*128 (the input ids)
+    assert int(cols["peak"][0]) == 20 * N_GPT2 + 4 + 8 * 128 == 2_488_797_188
 
 
 def test_sweep_dataframe(est):

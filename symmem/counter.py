@@ -1,0 +1,313 @@
+"""The counter: runs a plan and records what is live at every moment that can be the peak.
+
+Two steps.
+
+**Liveness.** A :class:`~symmem.plan.Compute` names what it reads and who holds what; the
+counter works out when each storage it allocates is freed: after its last reader has run
+and its last holder has let go (the :class:`~symmem.plan.Release` of every holder), as
+Python's reference counting does. A storage held by autograd (or by a checkpoint) is an
+activation; one nobody holds is transient. Storages of explicit :class:`~symmem.plan.Alloc`
+events are freed by their :class:`~symmem.plan.Free` only.
+
+**Counting.** Live bytes are summed per role; each mark records a
+:class:`Point`. A repeated block appears as its copies (first iteration, a middle one,
+last iteration; backward runs them in reverse). Copies whose events are the same byte for
+byte are one *segment*: a segment of ``m`` iterations is run once, and since each of its
+iterations leaves the same bytes ``D`` behind, the live bytes at a moment of its ``i``-th
+iteration are affine in ``i``: their maximum is at its first or its last iteration, the
+points of the run plus ``(m - 1) D``. The result is exact for every count at which each
+segment has at least one iteration; where a segment can have none (a block whose first
+iteration differs, at ``count = 1``), its points must be provably below another point
+there, or ``count`` gets a lower bound (a requirement, checked where formulas are evaluated).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy as sp
+
+from .bounds import provably_nonneg
+from .requirements import Requirement
+from .plan import (AUTOGRAD, CHECKPOINT, PHASES, ROLES, Alloc, Begin, Compute, End, Free, Mark, Plan,
+                   Release, flat)
+
+__all__ = ["Point", "Timeline", "count", "resolve"]
+
+ZERO = sp.Integer(0)
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Point:
+    """Live memory at one moment of the step: bytes per role, and where it is."""
+    phase: str            # "forward" | "backward" | "optimizer"
+    node: str             # the node running (or the parameter being updated)
+    parts: tuple          # ((role, bytes expr), ...) in ROLES order
+    iteration: str = ""   # "first", "second", "second to last", "last" inside a repeated block
+
+    @property
+    def total(self) -> sp.Expr:
+        return sp.Add(*(e for _, e in self.parts))
+
+    @property
+    def where(self) -> str:
+        it = f" ({self.iteration} iteration)" if self.iteration else ""
+        return f"{self.phase} {self.node}{it}"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What the counter derives from a plan: every point in order, the components (the
+    model states from the plan; ``activations``: bytes held for backward when forward
+    ends) and the requirements for the formulas to hold."""
+    points: tuple
+    components: dict
+    requirements: tuple = ()
+
+
+def count(plan: Plan) -> Timeline:
+    """Run ``plan``: the timeline of points, the components and the requirements."""
+    ops = resolve(plan)
+    walk = _Walk()
+    walk.run(ops)
+    comps = dict(plan.components)
+    comps["activations"] = sp.expand(walk.saved_at_end_of_forward)
+    return Timeline(tuple(walk.points), comps, tuple(plan.requirements) + tuple(walk.requirements))
+
+
+# ----- liveness -----------------------------------------------------------------------------
+def _activation_holder(holder: str) -> bool:
+    return holder.startswith(AUTOGRAD) or holder.startswith(CHECKPOINT)
+
+
+@dataclass
+class _Storage:
+    nbytes: sp.Expr
+    role: str
+    count: sp.Expr
+    created: int
+    explicit: bool                 # from an Alloc: freed by its Free only
+    last_read: int = -1
+    holds: dict = field(default_factory=dict)    # holder -> position of the hold
+
+
+def resolve(plan: Plan) -> list:
+    """The plan's events with every storage's allocation and free made explicit, as op
+    tuples in order: ("alloc", bytes, role, count, saved), ("free", bytes, role, count),
+    ("mark", phase, node, extra, copy), ("begin", block, copy, count), ("end", block, copy).
+    ``saved`` is the bytes counted as held for backward when forward ends."""
+    seq = [(ph, e) for ph in PHASES for e in flat(plan.phase(ph))]
+    end_of_forward = max((i for i, (ph, _) in enumerate(seq) if ph in ("states", "forward")), default=-1)
+    current: dict = {}            # key -> index of its storage now
+    storages: list[_Storage] = []
+    releases: dict = {}           # holder -> [positions]
+    for pos, (_, e) in enumerate(seq):
+        if isinstance(e, Compute):
+            for key in e.reads:
+                if key in current:
+                    storages[current[key]].last_read = pos
+            made = ([(e.out, e.out_bytes)] if e.out is not None else []) + list(e.new)
+            for key, nbytes in made:
+                current[key] = len(storages)
+                storages.append(_Storage(nbytes, e.role, sp.Integer(1), pos, False, pos))
+            for key, holder in e.holds:
+                if key in current:
+                    storages[current[key]].holds.setdefault(holder, pos)
+        elif isinstance(e, Alloc):
+            current[e.key] = len(storages)
+            storages.append(_Storage(e.nbytes, e.role, e.count, pos, True))
+        elif isinstance(e, Release):
+            releases.setdefault(e.holder, []).append(pos)
+
+    def released(holder, since):
+        return next((p for p in releases.get(holder, ()) if p >= since), INF)
+
+    frees: dict = {}              # position -> [storage index]
+    allocs: dict = {}             # storage index -> (role, saved bytes)
+    for i, st in enumerate(storages):
+        ends = {h: released(h, p) for h, p in st.holds.items()}
+        role = st.role
+        if not st.explicit and any(_activation_holder(h) for h in st.holds):
+            role = "activations"
+        end = max([st.last_read, *ends.values()])
+        saved = st.created <= end_of_forward < end and any(
+            _activation_holder(h) and p <= end_of_forward < ends[h] for h, p in st.holds.items())
+        allocs[i] = (role, st.nbytes * st.count if saved else ZERO)
+        if not st.explicit and end != INF:
+            frees.setdefault(end, []).append(i)
+
+    ops = []
+    index = {}                    # position of an Alloc -> storage index
+    for i, st in enumerate(storages):
+        index.setdefault(st.created, []).append(i)
+    for pos, (ph, e) in enumerate(seq):
+        if isinstance(e, Compute):
+            for i in index.get(pos, ()):
+                role, saved = allocs[i]
+                ops.append(("alloc", storages[i].nbytes, role, storages[i].count, saved))
+            ops.append(("mark", ph, e.node, (("transient", e.temp),), e.copy))
+        elif isinstance(e, Alloc):
+            (i,) = index[pos]
+            role, saved = allocs[i]
+            ops.append(("alloc", e.nbytes, role, e.count, saved))
+        elif isinstance(e, Free):
+            ops.append(("free", e.nbytes, e.role, sp.Integer(1)))
+        elif isinstance(e, Mark):
+            ops.append(("mark", e.phase, e.node, e.extra, e.copy))
+        elif isinstance(e, Begin):
+            ops.append(("begin", e.block, e.copy, e.count))
+        elif isinstance(e, End):
+            ops.append(("end", e.block, e.copy))
+        for i in frees.get(pos, ()):
+            st = storages[i]
+            ops.append(("free", st.nbytes, allocs[i][0], st.count))
+        if pos == end_of_forward:
+            ops.append(("end of forward",))
+    return ops
+
+
+# ----- counting -------------------------------------------------------------------------------
+_LABELS = {"1": "first", "2": "second", "n-1": "second to last", "n": "last"}
+
+
+class _Walk:
+    def __init__(self):
+        self.live = {r: ZERO for r in ROLES}
+        self.saved = ZERO
+        self.points: list[Point] = []
+        self.requirements: list = []
+        self.saved_at_end_of_forward = ZERO
+
+    def run(self, ops):
+        i = 0
+        while i < len(ops):
+            op = ops[i]
+            if op[0] == "begin":
+                copies, i = self._occurrence(ops, i)
+                self._block(op[1], op[3], copies)
+                continue
+            self._apply(op, "")
+            i += 1
+
+    def _apply(self, op, label, out=None):
+        kind = op[0]
+        if kind == "alloc":
+            _, nbytes, role, cnt, saved = op
+            self.live[role] += nbytes * cnt
+            self.saved += saved
+        elif kind == "free":
+            _, nbytes, role, cnt = op
+            self.live[role] -= nbytes * cnt
+        elif kind == "mark":
+            _, phase, node, extra, _ = op
+            acc = dict(self.live)
+            for role, e in extra:
+                acc[role] += e
+            point = Point(phase, node, tuple((r, sp.expand(acc[r])) for r in ROLES), label)
+            (self.points if out is None else out).append(point)
+        elif kind == "end of forward":
+            self.saved_at_end_of_forward = self.saved
+
+    @staticmethod
+    def _occurrence(ops, i):
+        """The copies of one block from ops[i] on: [(copy, ops), ...] in execution order."""
+        block = ops[i][1]
+        copies = []
+        while i < len(ops) and ops[i][0] == "begin" and ops[i][1] == block:
+            copy, body = ops[i][2], []
+            i += 1
+            while not (ops[i][0] == "end" and ops[i][1] == block):
+                body.append(ops[i])
+                i += 1
+            copies.append((copy, body))
+            i += 1
+        return copies, i
+
+    def _block(self, block: str, n, copies):
+        n = sp.sympify(n)
+        if len(copies) < 3:       # a numeric count below three: every iteration written out
+            for copy, body in copies:
+                for op in body:
+                    self._apply(op, "first" if copy == 1 else "last")
+            return
+        forward = copies[0][0] == 1
+        # iterations in execution order: forward 1, 2..n-1, n; backward n, n-1..2, 1
+        ranges = [("1", "1"), ("2", "n-1"), ("n", "n")] if forward else [("n", "n"), ("n-1", "2"), ("1", "1")]
+        mults = [sp.Integer(1), n - 2, sp.Integer(1)]
+        segs = []     # [signature, body, multiplicity, (first label, last label), fixed copies]
+        for (copy, body), (a, z), m in zip(copies, ranges, mults):
+            sig = _signature(body)
+            if segs and segs[-1][0] == sig:
+                segs[-1][2] += m
+                segs[-1][3] = (segs[-1][3][0], z)
+            else:
+                segs.append([sig, body, m, (a, z)])
+        walked = []
+        for sig, body, m, (a, z) in segs:
+            walked.append(self._segment(body, sp.expand(m), _LABELS[a], _LABELS[z]))
+        self._check_small_counts(block, n, walked)
+
+    def _segment(self, body, m, first_label, last_label):
+        start = dict(self.live)
+        start_saved = self.saved
+        pts: list[Point] = []
+        for op in body:
+            self._apply(op, first_label, pts)
+        delta = {r: sp.expand(self.live[r] - start[r]) for r in ROLES}
+        d_saved = self.saved - start_saved
+        cands = []
+        if m == 1:
+            cands = [(p, "first run") for p in pts]
+        else:
+            total = sp.Add(*delta.values())
+            grows, shrinks = provably_nonneg(total), provably_nonneg(-total)
+            if not grows:      # the first run can be the larger
+                cands += [(p, "first run") for p in pts]
+            if not shrinks or grows:
+                cands += [(Point(p.phase, p.node, tuple((r, sp.expand(e + (m - 1) * delta[r]))
+                                                        for r, e in p.parts), last_label), "last run")
+                          for p in pts]
+        self.points.extend(p for p, _ in cands)
+        self.live = {r: sp.expand(start[r] + m * delta[r]) for r in ROLES}
+        self.saved = sp.expand(start_saved + m * d_saved)
+        return m, cands
+
+    def _check_small_counts(self, block, n, walked):
+        """A segment of ``n - c`` iterations has none at ``n <= c``: its points must then be
+        below a point of another segment of the block, or ``n >= c + 1`` is required."""
+        worst = 0
+        for m, cands in walked:
+            c = sp.expand(n - m)
+            if not (c.is_Integer and c >= 1):
+                continue
+            if not (n.is_Symbol and self._harmless(n, int(c), m, cands, walked)):
+                worst = max(worst, int(c))
+        if worst and not any(r[1] == n and r[0] >= worst + 1 for r in self.requirements):
+            self.requirements.append(Requirement(
+                sp.Integer(worst + 1), n, f"the block {block!r} treats its first or last iteration differently, "
+                                          f"so its formulas hold from {worst + 1} iterations on"))
+
+    @staticmethod
+    def _harmless(n, c, m, cands, walked) -> bool:
+        """At each count k <= c: is every point of the segment (which has no iteration then)
+        at most some point of the block's other segments (the same node first)?"""
+        for k in range(1, c + 1):
+            real = [p for mm, cs in walked if sp.sympify(mm).subs(n, k) >= 1 for p, _ in cs]
+            at_k = {}
+
+            def value(p):
+                if id(p) not in at_k:
+                    at_k[id(p)] = sp.expand(p.total.subs(n, k))
+                return at_k[id(p)]
+
+            for p, _ in cands:
+                same = [q for q in real if q.phase == p.phase and q.node == p.node]
+                others = [q for q in real if q.phase == p.phase and q not in same]
+                if not any(provably_nonneg(value(q) - value(p)) for q in same + others):
+                    return False
+        return True
+
+
+def _signature(body) -> tuple:
+    """A copy's events byte for byte, without the names of its storages."""
+    return tuple(op[:4] if op[0] == "mark" else op for op in body)

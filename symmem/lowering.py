@@ -1,0 +1,254 @@
+"""Lowering: (graph, policy) -> :class:`~symmem.plan.Plan`, PyTorch eager semantics.
+
+Every node's rule (:mod:`symmem.rules`) gives its footprint under the policy; lowering
+turns the footprints into the events of one steady-state training step (an iteration
+after the first, with ``zero_grad(set_to_none=True)``):
+
+- **states**: parameters, the master copy, optimizer states and step counters (one
+  storage per parameter tensor, ``count`` of them for a repeated block's), and the batch
+  (the graph's inputs, held by the training loop for the whole step);
+- **forward**: a :class:`~symmem.plan.Compute` per node: its output (none for a view),
+  the new tensors it saves, what it reads, and who holds what: autograd holds what the
+  node saves until the node's backward has run; autocast's cache holds the half-precision
+  copy of a weight until forward ends; the model's outputs are referenced until forward
+  ends and the loss for the whole step;
+- **backward**: the loss's gradient (a 0-dim tensor of ones), then per node in reverse
+  order the gradients it allocates (input gradients of a new storage, or the output's
+  gradient handed on; a parameter's gradient when backward first reaches it; a second
+  gradient of a tied weight summed out of place), a mark, the output gradient freed when
+  nothing refers to it any more, and autograd's release of what the node saved;
+- **optimizer**: the step's temporaries, per optimizer and implementation.
+
+A :class:`~symmem.graph.Repeat` is lowered as three copies, each between
+:class:`~symmem.plan.Begin` and :class:`~symmem.plan.End`: the first iteration (its input
+comes from outside), a middle one and the last (its output goes outside). Each middle
+iteration is alike, so the counter extrapolates copy 2 over the ``count - 2`` middle
+iterations; a first iteration that turns a float32 input into the compute dtype (autocast)
+is simply a copy that differs.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy as sp
+
+from .footprints import Instance, trace
+from .graph import Graph, Repeat
+from .plan import (AUTOGRAD, CACHE, LOOP, OUTPUTS, Alloc, Backward, Begin, Compute, End, Free, Hold, Key,
+                   Mark, Plan, Release)
+from .policy import Policy
+from .symbols import B_g, B_m, B_o, B_w
+
+__all__ = ["lower", "autograd"]
+
+ZERO = sp.Integer(0)
+
+
+def _block(rep: Repeat) -> str:
+    """The holder of the values a repeated block reads from outside, until it ends."""
+    return f"block {rep.name}"
+
+
+def autograd(node: str, copy: int = 0) -> str:
+    """The holder of what ``node`` (in ``copy``) saved for backward."""
+    return AUTOGRAD + (f"{node}#{copy}" if copy else node)
+
+
+def lower(graph: Graph, policy: Policy) -> Plan:
+    """The plan of one steady-state training step of ``graph`` under ``policy``."""
+    return _Lowering(graph, policy).plan()
+
+
+class _Lowering:
+    def __init__(self, graph: Graph, policy: Policy):
+        self.graph, self.policy = graph, policy
+        t = trace(graph, policy)
+        self.order, self.info, self.storage, self.copies = t.order, t.info, t.storage, t.copies
+        self.requirements = list(graph.requirements) + t.requirements
+        self._outer = t.outer
+
+    def _where(self, value: str):
+        """Where the outer value ``value`` is defined (a block's output: its last copy)."""
+        return self._outer.get(value, (value, 0))
+
+    # ----- the plan ----------------------------------------------------------------------
+    def plan(self) -> Plan:
+        states, components = self._states()
+        forward, loss = self._forward()
+        backward = self._backward(loss)
+        return Plan(self.graph.name, tuple(states), tuple(forward), tuple(backward),
+                    tuple(self._optimizer()), components, self.storage[loss],
+                    tuple(self.requirements))
+
+    def _states(self):
+        graph, policy = self.graph, self.policy
+        params = graph.params()
+        N = sp.expand(sum((p.numel * m for p, m in params), ZERO))
+        tensors = sp.expand(sum((m for _, m in params), ZERO))
+        opt, prec = policy.opt, policy.prec
+        components = {"params": N * B_w, "grads": N * B_g,
+                      "master": N * B_m if prec.master else ZERO,
+                      "optimizer": opt.states * N * B_o + (4 * tensors if policy.step_on_device else 0)}
+        events = []
+        for p, m in params:
+            events.append(Alloc(Key("param", p.name), p.numel * B_w, "params", m))
+            if prec.master:
+                events.append(Alloc(Key("master", p.name), p.numel * B_m, "master", m))
+            if opt.states:
+                events.append(Alloc(Key("state", p.name), opt.states * p.numel * B_o, "optimizer", m))
+            if policy.step_on_device:
+                events.append(Alloc(Key("step", p.name), sp.Integer(4), "optimizer", m))
+        for inst in self.order:
+            if isinstance(inst, Instance) and inst.node.op == "input":
+                events.append(Alloc(inst.out, inst.fp.out.nbytes, "batch"))
+        return events, components
+
+    def _forward(self):
+        events, cast_seen = [], set()
+        loss, entering = None, None
+        for inst in self.order:
+            if not isinstance(inst, Instance):
+                kind, rep, c = inst
+                events.append(Begin(rep.name, c, rep.count) if kind == "begin" else End(rep.name, c))
+                if kind == "begin" and c == 1:   # what the block reads from outside lives through it
+                    entering = [Hold(self.storage[self._where(v)], _block(rep)) for v in rep.externals]
+                if kind == "end" and c == self.copies[rep.name]:
+                    events.append(Release(_block(rep)))
+                continue
+            fp, holder = inst.fp, autograd(inst.name, inst.copy)
+            new, holds = [], []
+            for sv in fp.saved:
+                key = self._saved_key(inst, sv)
+                if sv.ref == "new":
+                    new.append((key, sv.nbytes))
+                elif sv.ref.startswith("cast:"):
+                    if key not in cast_seen:      # autocast caches one copy per weight
+                        cast_seen.add(key)
+                        new.append((key, sv.nbytes))
+                        holds.append(Hold(key, CACHE))
+                holds.append(Hold(key, holder))
+            is_input = inst.node.op == "input"
+            out = None if (fp.alias is not None or is_input) else inst.out
+            reads = tuple(dict.fromkeys(self.storage[i] for i in inst.inputs))
+            if inst.name in self.graph.outputs and inst.copy == 0:
+                holds.append(Hold(inst.out, OUTPUTS))
+            if entering:
+                holds, entering = holds + entering, None
+            events.append(Compute(inst.name, out, fp.out.nbytes if out else ZERO, tuple(new), reads,
+                                  tuple(holds), fp.fwd_temp, inst.copy))
+            loss = (inst.name, inst.copy)
+        # the last node is the loss: the training loop keeps it for the whole step
+        last = events[-1]
+        events[-1] = replace(last, holds=last.holds + (Hold(self.storage[loss], LOOP),))
+        events += [Release(OUTPUTS), Release(CACHE)]
+        return events, loss
+
+    def _saved_key(self, inst: Instance, sv) -> Key:
+        if sv.ref.startswith("in"):
+            return self.storage[inst.inputs[int(sv.ref[2:])]]
+        if sv.ref == "out":
+            return inst.out
+        if sv.ref.startswith("cast:"):
+            name = sv.ref[5:]
+            return Key("cast", name, next(k.copy for k in inst.params if k.name == name))
+        return Key("saved", f"{inst.name}:{sv.label}", inst.copy)
+
+    def _backward(self, loss):
+        """Gradients flow from the loss back; ``grads`` maps a value to its gradient's
+        storage, ``refs`` counts the values whose gradient a storage still is."""
+        gkey = Key("vgrad", *loss)
+        events = [Alloc(gkey, self.info[loss].nbytes, "transient")]
+        grads, refs, seen = {loss: gkey}, {gkey: 1}, set()
+        for inst in reversed(self.order):
+            if not isinstance(inst, Instance):
+                kind, rep, c = inst
+                events.append(End(rep.name, c) if kind == "begin" else Begin(rep.name, c, rep.count))
+            elif (inst.name, inst.copy) in grads:     # else no gradient reaches this value
+                events.append(self._node_backward(inst, grads, refs, seen))
+        return events
+
+    def _node_backward(self, inst: Instance, grads: dict, refs: dict, seen: set) -> Backward:
+        me, fp, out = (inst.name, inst.copy), inst.fp, []
+        g = grads[me]
+
+        def hand(value, key):
+            grads[value] = key
+            refs[key] = refs.get(key, 0) + 1
+
+        extra, news = ZERO, []
+        for i, (v, mode) in enumerate(zip(inst.inputs, fp.grads)):
+            if mode is None or not self.info[v].requires_grad:
+                continue
+            if v in grads:                # a second consumer: accumulated into the first
+                extra += self.info[v].nbytes if mode == "new" else 0
+            elif mode == "pass":
+                hand(v, g)
+            else:                         # "new", or "slice" arriving first
+                news.append((i, v))
+
+        def allocate(late: bool):
+            """The input and parameter gradients this node makes (late: those made by
+            cast-back nodes after it); returns the bytes of a tied weight's second gradient."""
+            for i, v in news:
+                if (i in fp.late_inputs) == late:
+                    key = Key("vgrad", *v)
+                    out.append(Alloc(key, self.info[v].nbytes, "transient"))
+                    hand(v, key)
+            tied = ZERO
+            for p, key in zip(inst.node.params, inst.params) if fp.late_params == late else ():
+                if key in seen:           # a tied weight: a second gradient, added in below
+                    tied += p.numel * B_g
+                else:
+                    seen.add(key)
+                    out.append(Alloc(Key("grad", key.name, key.copy), p.numel * B_g, "grads"))
+            return tied
+
+        tied = allocate(late=False)
+        out.append(Mark("backward", inst.name, (("transient", fp.bwd_temp + extra + tied),), inst.copy))
+        refs[g] -= 1                      # the output's gradient has been used
+        del grads[me]
+        if refs[g] == 0:
+            out.append(Free(g, self._grad_bytes(g), "transient"))
+        out.append(Release(autograd(inst.name, inst.copy)))
+        if fp.late_inputs or fp.late_params:
+            tied += allocate(late=True)
+            out.append(Mark("backward", f"{inst.name} (cast back)", (("transient", fp.bwd_temp + tied),),
+                            inst.copy))
+        if tied != 0:                     # the engine sums the two gradients out of place
+            out.append(Mark("backward", f"{inst.name} (tied gradient sum)", (("transient", 2 * tied),),
+                            inst.copy))
+        return Backward(inst.name, inst.copy, tuple(out))
+
+    def _grad_bytes(self, key: Key):
+        return self.info[(key.name, key.copy)].nbytes
+
+    def _optimizer(self):
+        """The step's events. With a master copy, the gradients are first cast to the master
+        dtype (one copy of all of them, held through the step) and the optimizer updates the
+        master weights; their new values are then copied into the weights in place. Then the
+        optimizer's own temporaries, for its implementation (:mod:`symmem.policy.optimizer`)."""
+        policy, graph = self.policy, self.graph
+        events = []
+        if policy.prec.master:
+            events.append(Alloc(Key("master grads", "all"), graph.param_count() * B_m, "transient"))
+        order = [(p.name, p.numel) for p in _param_order(graph.items)]
+        for where, temp in policy.opt.step_temps(policy.impl, order, graph.param_count()):
+            events.append(Mark("optimizer", where, (("transient", temp),)))
+        return events
+
+
+def _param_order(items, seen=None) -> list:
+    """Parameters in the order the optimizer meets them; a repeated body's twice."""
+    seen = set() if seen is None else seen
+    out = []
+    for item in items:
+        if isinstance(item, Repeat):
+            body = _param_order(item.body.items, set(seen))
+            seen.update(p.name for p in body)
+            out += body + body
+        else:
+            for p in item.params:
+                if p.name not in seen:
+                    seen.add(p.name)
+                    out.append(p)
+    return out

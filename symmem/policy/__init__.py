@@ -1,0 +1,124 @@
+"""Training policies: how a step is run, assembled from named parts.
+
+A :class:`Policy` is frozen and built from names, so it can come from a command line.
+Each part is chosen from a registry (:mod:`symmem.policy.registry`), one module per part:
+
+- ``precision`` (:mod:`~symmem.policy.precision`): bytes per element of each role, and
+  whether autocast runs forward;
+- ``optimizer`` and its ``implementation`` (:mod:`~symmem.policy.optimizer`): states per
+  parameter tensor and the step's temporaries;
+- ``device``: ``cuda`` (the default: what users train on) or ``cpu`` (what the tests
+  measure): dropout, wrapped scalars and the default implementation differ;
+- ``recompute`` (:mod:`~symmem.policy.recompute`): activation recomputation;
+- ``accumulate``: micro-batches per optimizer step (gradient accumulation);
+- ``attention`` and ``parallel`` (:mod:`~symmem.policy.slots`): one entry each today.
+
+:data:`PARTS` describes every part for the command line, which generates its options,
+their ``--help`` and ``symmem policies`` from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from ..errors import ConfigError
+from ..rules import Ctx
+from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
+from .precision import PRECISIONS, Precision
+from .recompute import RECOMPUTE, Recompute
+from .registry import Registry
+from .slots import ATTENTION, DEVICES, PARALLEL
+
+__all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "Registry",
+           "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION", "PARALLEL"]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a training step is run. ``implementation="auto"`` is PyTorch's default: foreach
+    on CUDA, the for-loop on the CPU. ``recompute`` is a spec (``"full"``, ``"every:2"``,
+    ...) or a :class:`Recompute`; ``accumulate`` is the number of micro-batches of size
+    ``b`` whose gradients are summed before each optimizer step."""
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    device: str = "cuda"
+    implementation: str = "auto"
+    recompute: Recompute | str = "none"
+    accumulate: int = 1
+    attention: str = "eager"
+    parallel: str = "none"
+
+    def __post_init__(self):
+        for part in PARTS:
+            if part.registry is not None:     # canonical names: "AdamW" is "adamw"
+                object.__setattr__(self, part.field, part.registry.lookup(getattr(self, part.field)).name)
+        object.__setattr__(self, "recompute", Recompute.parse(self.recompute))
+        k = self.accumulate
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError("accumulate", k, "a whole number of micro-batches >= 1",
+                              "1 means no gradient accumulation.")
+
+    @property
+    def prec(self) -> Precision:
+        return PRECISIONS[self.precision]
+
+    @property
+    def opt(self) -> Optimizer:
+        return OPTIMIZERS[self.optimizer]
+
+    @property
+    def impl(self) -> str:
+        if self.implementation != "auto":
+            return self.implementation
+        return "foreach" if self.device == "cuda" else "for-loop"
+
+    @property
+    def step_on_device(self) -> bool:
+        """Are the optimizer's step counters device memory?"""
+        return self.opt.counters_on_device(self.device, self.impl)
+
+    def ctx(self) -> Ctx:
+        return self.prec.ctx(self.device)
+
+    def bindings(self) -> dict:
+        """Numbers for the byte symbols. Optimizer states are float32 (the master dtype)."""
+        return self.prec.bindings(sp.Integer(4))
+
+    def describe(self) -> str:
+        out = (f"{self.precision} ({self.prec.description}); {self.optimizer} "
+               f"[{self.impl}] ({self.opt.description}); device {self.device}")
+        if self.recompute.mode != "none":
+            out += f"; recompute {self.recompute}"
+        if self.accumulate > 1:
+            out += f"; {self.accumulate} micro-batches per step"
+        return out
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a policy as the command line offers it: the Policy field, its option,
+    the registry its names come from (None for a number or a spec), its default."""
+    field: str
+    option: str
+    registry: Registry | None
+    metavar: str
+    help: str
+
+    @property
+    def default(self):
+        return Policy.__dataclass_fields__[self.field].default
+
+
+PARTS = (
+    Part("precision", "--precision", PRECISIONS, "NAME", "bytes per element of each role"),
+    Part("optimizer", "--optimizer", OPTIMIZERS, "NAME", "the optimizer's states and step"),
+    Part("implementation", "--implementation", IMPLEMENTATIONS, "NAME", "the optimizer's implementation"),
+    Part("device", "--device", DEVICES, "NAME", "where the step runs"),
+    Part("recompute", "--recompute", None, "SPEC",
+         "activation recomputation: none, full, every:K, selective, last:N (add ,reentrant for "
+         "use_reentrant=True)"),
+    Part("accumulate", "--accumulate", None, "K", "micro-batches of size b per optimizer step"),
+    Part("attention", "--attention", ATTENTION, "NAME", "the attention kernel"),
+    Part("parallel", "--parallel", PARALLEL, "NAME", "the parallel layout"),
+)

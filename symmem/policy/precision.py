@@ -1,0 +1,68 @@
+"""Precisions: how many bytes each role's elements take, and whether autocast runs forward.
+
+The roles are priced by the symbols ``B_w`` (weights), ``B_g`` (gradients), ``B_m``
+(master weights), ``B_o`` (optimizer states) and ``B_a`` (activations in the compute
+dtype); a precision binds them. With ``torch.autocast`` the float32 weights are
+themselves the master copy (``master`` 0) and the rules cast per op (the autocast table
+of :mod:`symmem.rules.autocast`); a half-precision model with a float32 master copy
+(Megatron-LM, DeepSpeed, Apex O2) keeps weights, gradients and activations in the half
+dtype, and its optimizer steps the master copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from ..rules import Ctx, DType
+from ..symbols import B_a, B_g, B_m, B_o, B_w
+from .registry import Registry
+
+__all__ = ["Precision", "PRECISIONS"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each role, whether autocast runs the forward pass, and the
+    torch dtype activations are computed in (``compute``)."""
+    name: str
+    weight: sp.Rational
+    grad: sp.Rational
+    master: sp.Rational       # 0: no separate master copy
+    act: sp.Rational
+    autocast: bool
+    compute: str              # "float32", "bfloat16" or "float16"
+    description: str
+
+    def bindings(self, optimizer_state_bytes) -> dict:
+        out = {B_w: self.weight, B_g: self.grad, B_a: self.act, B_o: optimizer_state_bytes}
+        if self.master:
+            out[B_m] = self.master
+        return out
+
+    def ctx(self, device: str) -> Ctx:
+        """What the rules need to know: autocast, the device, the compute dtype priced B_a."""
+        return Ctx(autocast=self.autocast, device=device,
+                   act=DType("compute", B_a, 2 if self.autocast else 3), act_name=self.compute)
+
+
+_4, _2, _0 = sp.Integer(4), sp.Integer(2), sp.Integer(0)
+PRECISIONS = Registry("precision")
+for _p in (
+    Precision("fp32", _4, _4, _0, _4, False, "float32",
+              "float32 weights, gradients, optimizer states and activations"),
+    Precision("bf16-mixed", _4, _4, _0, _2, True, "bfloat16",
+              "torch.autocast(dtype=torch.bfloat16): float32 weights (the master copy), gradients and "
+              "optimizer states; bfloat16 activations where autocast casts, and cached bfloat16 copies "
+              "of the weights during forward"),
+    Precision("fp16-mixed", _4, _4, _0, _2, True, "float16",
+              "torch.autocast(dtype=torch.float16) with a GradScaler: as bf16-mixed, in float16 (the "
+              "scaler's few scalars are not counted)"),
+    Precision("bf16-master", _2, _2, _4, _2, False, "bfloat16",
+              "bfloat16 weights, gradients and activations, with a float32 master copy and float32 "
+              "optimizer states (Megatron-LM, DeepSpeed, Apex O2); the step casts the gradients to "
+              "float32 (one float32 copy of all of them)"),
+    Precision("fp16-master", _2, _2, _4, _2, False, "float16",
+              "as bf16-master, in float16 (the loss scaler's scalars are not counted)"),
+):
+    PRECISIONS.register(_p)
