@@ -323,7 +323,7 @@ def render_table(args, policy: Policy, r: dict) -> str:
     out.append(f"{'component':<{w}}{'bytes':>18}{'size':>14}")
     for k in COMPONENTS:
         v = ev.bytes[k]
-        if k == "master" and not v:
+        if k in ("master", "buffers") and not v:
             continue
         label = "activations (saved for backward)" if k == "activations" else k
         out.append(f"{label:<{w}}{v:>18,}{format_bytes(v):>14}")
@@ -331,7 +331,7 @@ def render_table(args, policy: Policy, r: dict) -> str:
             f"{'role':<{w}}{'bytes':>18}{'size':>14}{'% of total':>12}"]
     for role in ROLES:
         v = ev.peak_parts[role]
-        if role == "master" and not v and not ev.bytes["master"]:
+        if role in ("master", "buffers") and not v and not ev.bytes[role]:
             continue
         out.append(f"{role:<{w}}{v:>18,}{format_bytes(v):>14}{100 * v / ev.peak:>11.1f}%")
     out.append(f"{'peak':<{w}}{ev.peak:>18,}{format_bytes(ev.peak):>14}{100.0:>11.1f}%")
@@ -358,7 +358,7 @@ def render_latex(args, policy: Policy, r: dict) -> str:
            f"% bindings: {bind}",
            f"% peak = {ev.peak:,} bytes ({format_bytes(ev.peak)}) during {ev.peak_point.where}",
            r"\begin{aligned}"]
-    rows = [(k, v) for k, v in est.components.items() if not (k == "master" and v == 0)]
+    rows = [(k, v) for k, v in est.components.items() if not (k in ("master", "buffers") and v == 0)]
     for i, (k, v) in enumerate(rows):
         end = r" \\" if i < len(rows) - 1 else ""
         out.append(rf"\mathrm{{{k}}} &= {tex(v)}{end}  % {ev.bytes[k]:,} bytes")

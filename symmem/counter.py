@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from .bounds import provably_nonneg
+from .bounds import provably_nonneg, samples
 from .requirements import Requirement
-from .plan import (AUTOGRAD, CHECKPOINT, PHASES, ROLES, Alloc, Begin, Compute, End, Free, Mark, Plan,
+from .plan import (AUTOGRAD, CHECKPOINT, ROLES, Alloc, Begin, Compute, End, Free, Mark, Plan,
                    Release, flat)
 
 __all__ = ["Point", "Timeline", "count", "resolve"]
@@ -44,6 +44,7 @@ class Point:
     node: str             # the node running (or the parameter being updated)
     parts: tuple          # ((role, bytes expr), ...) in ROLES order
     iteration: str = ""   # "first", "second", "second to last", "last" inside a repeated block
+    micro: str = ""       # the micro-batch, under gradient accumulation
 
     @property
     def total(self) -> sp.Expr:
@@ -52,7 +53,8 @@ class Point:
     @property
     def where(self) -> str:
         it = f" ({self.iteration} iteration)" if self.iteration else ""
-        return f"{self.phase} {self.node}{it}"
+        mb = f" (micro-batch {self.micro})" if self.micro else ""
+        return f"{self.phase} {self.node}{it}{mb}"
 
 
 @dataclass(frozen=True)
@@ -89,19 +91,29 @@ class _Storage:
     explicit: bool                 # from an Alloc: freed by its Free only
     last_read: int = -1
     holds: dict = field(default_factory=dict)    # holder -> position of the hold
+    origin: tuple | None = None    # (block, copy, count) of the block copy that made it
+    brief: bool = False            # gone before its op's largest moment if nobody holds it
 
 
 def resolve(plan: Plan) -> list:
     """The plan's events with every storage's allocation and free made explicit, as op
     tuples in order: ("alloc", bytes, role, count, saved), ("free", bytes, role, count),
-    ("mark", phase, node, extra, copy), ("begin", block, copy, count), ("end", block, copy).
+    ("mark", phase, node, extra, copy, micro-batch), ("begin", block, copy, count), ("end", block, copy).
     ``saved`` is the bytes counted as held for backward when forward ends."""
-    seq = [(ph, e) for ph in PHASES for e in flat(plan.phase(ph))]
-    end_of_forward = max((i for i, (ph, _) in enumerate(seq) if ph in ("states", "forward")), default=-1)
+    seq = [(ph, e, mb) for _, ph, mb, events in plan.sections() for e in flat(events)]
+    end_of_forward = len(plan.states) + sum(1 for _ in flat(plan.forward)) - 1   # the first micro-batch's
     current: dict = {}            # key -> index of its storage now
     storages: list[_Storage] = []
     releases: dict = {}           # holder -> [positions]
-    for pos, (_, e) in enumerate(seq):
+    inside, context = None, []    # the block copy each position is in
+    copies = {}                   # block -> the copies lowered
+    for pos, (_, e, _) in enumerate(seq):
+        if isinstance(e, Begin):
+            inside = (e.block, e.copy, e.count)
+            copies[e.block] = max(copies.get(e.block, 0), e.copy)
+        elif isinstance(e, End):
+            inside = None
+        context.append(inside)
         if isinstance(e, Compute):
             for key in e.reads:
                 if key in current:
@@ -109,7 +121,8 @@ def resolve(plan: Plan) -> list:
             made = ([(e.out, e.out_bytes)] if e.out is not None else []) + list(e.new)
             for key, nbytes in made:
                 current[key] = len(storages)
-                storages.append(_Storage(nbytes, e.role, sp.Integer(1), pos, False, pos))
+                storages.append(_Storage(nbytes, e.role, sp.Integer(1), pos, False, pos, origin=inside,
+                                         brief=key in e.brief))
             for key, holder in e.holds:
                 if key in current:
                     storages[current[key]].holds.setdefault(holder, pos)
@@ -133,19 +146,23 @@ def resolve(plan: Plan) -> list:
         saved = st.created <= end_of_forward < end and any(
             _activation_holder(h) and p <= end_of_forward < ends[h] for h, p in st.holds.items())
         allocs[i] = (role, st.nbytes * st.count if saved else ZERO)
-        if not st.explicit and end != INF:
+        if st.brief and not st.holds and end == st.created:
+            allocs[i] = None               # made and freed inside its op, before the mark
+        elif not st.explicit and end != INF:
             frees.setdefault(end, []).append(i)
 
     ops = []
     index = {}                    # position of an Alloc -> storage index
     for i, st in enumerate(storages):
         index.setdefault(st.created, []).append(i)
-    for pos, (ph, e) in enumerate(seq):
+    for pos, (ph, e, mb) in enumerate(seq):
         if isinstance(e, Compute):
             for i in index.get(pos, ()):
+                if allocs[i] is None:
+                    continue
                 role, saved = allocs[i]
                 ops.append(("alloc", storages[i].nbytes, role, storages[i].count, saved))
-            ops.append(("mark", ph, e.node, (("transient", e.temp),), e.copy))
+            ops.append(("mark", ph, e.node, (("transient", e.temp),), e.copy, mb))
         elif isinstance(e, Alloc):
             (i,) = index[pos]
             role, saved = allocs[i]
@@ -153,17 +170,31 @@ def resolve(plan: Plan) -> list:
         elif isinstance(e, Free):
             ops.append(("free", e.nbytes, e.role, sp.Integer(1)))
         elif isinstance(e, Mark):
-            ops.append(("mark", e.phase, e.node, e.extra, e.copy))
+            ops.append(("mark", e.phase, e.node, e.extra, e.copy, mb))
         elif isinstance(e, Begin):
             ops.append(("begin", e.block, e.copy, e.count))
         elif isinstance(e, End):
             ops.append(("end", e.block, e.copy))
         for i in frees.get(pos, ()):
             st = storages[i]
-            ops.append(("free", st.nbytes, allocs[i][0], st.count))
+            ops.append(("free", st.nbytes, allocs[i][0], st.count * _iterations(st.origin, context[pos], copies)))
         if pos == end_of_forward:
             ops.append(("end of forward",))
     return ops
+
+
+def _iterations(origin, here, copies) -> sp.Expr:
+    """How many storages one free of a storage made in ``origin`` (a block copy) stands for
+    when it happens ``here``: inside the same block, one per iteration (the counting
+    extrapolates the copy); outside it, the middle copy stands for ``count - 2`` iterations."""
+    if origin is None or copies.get(origin[0], 0) < 3 or origin[1] != 2:
+        return sp.Integer(1)
+    if here is not None and here[0] == origin[0]:
+        return sp.Integer(1)
+    if here is not None:
+        raise NotImplementedError(f"a storage of the middle iterations of block {origin[0]!r} freed "
+                                  f"inside block {here[0]!r}")
+    return sp.expand(sp.sympify(origin[2]) - 2)
 
 
 # ----- counting -------------------------------------------------------------------------------
@@ -199,11 +230,11 @@ class _Walk:
             _, nbytes, role, cnt = op
             self.live[role] -= nbytes * cnt
         elif kind == "mark":
-            _, phase, node, extra, _ = op
+            _, phase, node, extra, _, micro = op
             acc = dict(self.live)
             for role, e in extra:
                 acc[role] += e
-            point = Point(phase, node, tuple((r, sp.expand(acc[r])) for r in ROLES), label)
+            point = Point(phase, node, tuple((r, sp.expand(acc[r])) for r in ROLES), label, micro)
             (self.points if out is None else out).append(point)
         elif kind == "end of forward":
             self.saved_at_end_of_forward = self.saved
@@ -255,18 +286,18 @@ class _Walk:
             self._apply(op, first_label, pts)
         delta = {r: sp.expand(self.live[r] - start[r]) for r in ROLES}
         d_saved = self.saved - start_saved
-        cands = []
         if m == 1:
             cands = [(p, "first run") for p in pts]
         else:
             total = sp.Add(*delta.values())
             grows, shrinks = provably_nonneg(total), provably_nonneg(-total)
-            if not grows:      # the first run can be the larger
-                cands += [(p, "first run") for p in pts]
-            if not shrinks or grows:
-                cands += [(Point(p.phase, p.node, tuple((r, sp.expand(e + (m - 1) * delta[r]))
-                                                        for r, e in p.parts), last_label), "last run")
-                          for p in pts]
+            cands = []
+            for p in pts:        # the first run's point, then the last run's, node by node
+                if not grows:    # the first run can be the larger
+                    cands.append((p, "first run"))
+                if not shrinks or grows:
+                    last = tuple((r, sp.expand(e + (m - 1) * delta[r])) for r, e in p.parts)
+                    cands.append((Point(p.phase, p.node, last, last_label, p.micro), "last run"))
         self.points.extend(p for p, _ in cands)
         self.live = {r: sp.expand(start[r] + m * delta[r]) for r in ROLES}
         self.saved = sp.expand(start_saved + m * d_saved)
@@ -275,12 +306,14 @@ class _Walk:
     def _check_small_counts(self, block, n, walked):
         """A segment of ``n - c`` iterations has none at ``n <= c``: its points must then be
         below a point of another segment of the block, or ``n >= c + 1`` is required."""
+        if n.is_number:       # a numeric count of three or more: every segment has an iteration
+            return
         worst = 0
         for m, cands in walked:
             c = sp.expand(n - m)
             if not (c.is_Integer and c >= 1):
                 continue
-            if not (n.is_Symbol and self._harmless(n, int(c), m, cands, walked)):
+            if not self._harmless(n, int(c), m, cands, walked):
                 worst = max(worst, int(c))
         if worst and not any(r[1] == n and r[0] >= worst + 1 for r in self.requirements):
             self.requirements.append(Requirement(
@@ -290,24 +323,30 @@ class _Walk:
     @staticmethod
     def _harmless(n, c, m, cands, walked) -> bool:
         """At each count k <= c: is every point of the segment (which has no iteration then)
-        at most some point of the block's other segments (the same node first)?"""
+        at most some point of the block's other segments (the same node first)? The count is
+        a symbol or an expression in one (``L - N``, ``L/K``)."""
+        if len(n.free_symbols) != 1:
+            return False
+        (x,) = n.free_symbols
         for k in range(1, c + 1):
-            real = [p for mm, cs in walked if sp.sympify(mm).subs(n, k) >= 1 for p, _ in cs]
-            at_k = {}
-
-            def value(p):
-                if id(p) not in at_k:
-                    at_k[id(p)] = sp.expand(p.total.subs(n, k))
-                return at_k[id(p)]
-
-            for p, _ in cands:
+            roots = sp.solve(sp.Eq(n, k), x)
+            if len(roots) != 1:
+                return False
+            at = {x: roots[0]}
+            real = [p for mm, cs in walked if sp.sympify(mm).xreplace(at) >= 1 for p, _ in cs]
+            mine = [p for p, _ in cands]
+            exprs = [sp.expand(p.total.xreplace(at)) for p in real + mine]
+            value = dict(zip(map(id, real + mine), exprs))
+            sample = dict(zip(map(id, real + mine), samples(exprs)))
+            for p in mine:
                 same = [q for q in real if q.phase == p.phase and q.node == p.node]
                 others = [q for q in real if q.phase == p.phase and q not in same]
-                if not any(provably_nonneg(value(q) - value(p)) for q in same + others):
+                tries = [q for q in same + others if all(x >= y for x, y in zip(sample[id(q)], sample[id(p)]))]
+                if not any(provably_nonneg(value[id(q)] - value[id(p)]) for q in tries):
                     return False
         return True
 
 
 def _signature(body) -> tuple:
     """A copy's events byte for byte, without the names of its storages."""
-    return tuple(op[:4] if op[0] == "mark" else op for op in body)
+    return tuple(op[:4] + op[5:] if op[0] == "mark" else op for op in body)

@@ -127,6 +127,7 @@ class Graph:
     _params: dict = field(default_factory=dict)
     _taken: set = field(default_factory=set)   # every value name, bodies included (shared)
     _scope: dict = field(default_factory=dict)
+    locals: tuple = ()        # ((value, until), …): a value the model's code keeps until a node ran
 
     # ----- building ---------------------------------------------------------------
     def param(self, name: str, shape) -> Param:
@@ -185,6 +186,16 @@ class Graph:
         finally:
             self._scope = saved
 
+    def hold(self, value: str, until: str) -> None:
+        """``value`` stays referenced until node ``until`` has run, though nothing reads it in
+        between: a local variable of the model's Python code (Hugging Face's ``causal_mask``
+        lives until the base model returns). Both are values of this graph (of one block's
+        body: then in every iteration)."""
+        for v in (value, until):
+            if v not in self._shapes:
+                raise ConfigError("value to hold", v, f"a value defined in {self.name!r} itself")
+        self.locals = self.locals + ((value, until),)
+
     def require(self, lhs, rhs, reason: str, kind: str = "at most") -> None:
         """Record that ``lhs <= rhs`` (or, ``kind="divides"``, that ``lhs`` divides ``rhs``)
         must hold for any values the model is evaluated at."""
@@ -239,7 +250,7 @@ class Graph:
 
     def annotate_layers(self, block: str, start: int, stop: int | None = None, **attrs) -> None:
         """Give layers ``start`` to ``stop - 1`` of the repeated block ``block`` attributes
-        (``stop`` None: to the last layer), e.g. ``recompute=True``; passes read them."""
+        (``stop`` None: to the last layer), e.g. ``checkpoint=True``; passes read them."""
         i, rep = self._repeat_item(block)
         if not (isinstance(start, int) and start >= 0 and (stop is None or (isinstance(stop, int) and stop > start))):
             raise ConfigError("layer range", (start, stop), "0 <= start < stop (stop None for the last layer)")
@@ -306,13 +317,15 @@ class Graph:
             g.items.append(item)
             for n, sh in _defines(item):
                 g._shapes[n] = sh
-        g.outputs, g.requirements = self.outputs, self.requirements
+        g.outputs, g.requirements, g.locals = self.outputs, self.requirements, self.locals
         g._taken = set(g._shapes) | self._taken
         return g
 
     def unrolled(self) -> "Graph":
-        """The same graph with every Repeat of a numeric count written out."""
-        items = []
+        """The same graph with every Repeat of a numeric count written out. Each node of
+        iteration ``i`` of block ``name`` gets the attribute ``layer="name.i"`` and the
+        attributes of the layer ranges holding ``i``, so that passes see the same layers."""
+        items, locals_ = [], ()
         for item in self.items:
             if isinstance(item, Node):
                 items.append(item)
@@ -320,12 +333,40 @@ class Graph:
             n = sp.sympify(item.count).subs(self.bindings)
             if not n.is_Integer:
                 raise ConfigError("repeat count", item.count, "a number (bind it) to unroll")
-            prev = item.carried
+            prev, held = item.carried, ()
             for i in range(int(n)):
-                nodes, prev = _renamed_body(item, f"{item.name}.{i}", f"{item.name}.{i}.", prev)
-                items += nodes
+                nodes, prev, kept = _renamed_body(item, f"{item.name}.{i}", f"{item.name}.{i}.", prev)
+                held += kept
+                extra = {"layer": f"{item.name}.{i}"}
+                for start, stop, attrs in item.layer_attrs:
+                    stop = n if stop is None else sp.sympify(stop).subs(self.bindings)
+                    if start <= i < stop:
+                        extra.update(dict(attrs))
+                items += [replace(nd, attrs=tuple(sorted({**dict(nd.attrs), **extra}.items()))) for nd in nodes]
             items += [Node(n_, "carry", (p,), shape=self._shapes[n_]) for n_, p in zip(item.names, prev)]
-        return self._copy(items)
+            locals_ += held
+        g = self._copy(items)
+        g.locals = g.locals + locals_
+        return g
+
+    def with_bound_counts(self) -> "Graph":
+        """The same graph with each repeated block's count replaced by its bound value (its
+        iterations then written out where fewer than three), and a requirement that the
+        count symbols keep those values."""
+        items, reqs = [], []
+        for item in self.items:
+            if isinstance(item, Repeat):
+                n = sp.sympify(sp.sympify(item.count).xreplace(self.bindings))
+                if n.is_Integer and n != item.count:
+                    for x in sp.sympify(item.count).free_symbols:
+                        v = sp.sympify(self.bindings.get(x, x))
+                        reqs += [Requirement(x, v, f"the formulas were derived for {x} = {v} layers"),
+                                 Requirement(v, x, f"the formulas were derived for {x} = {v} layers")]
+                    item = replace(item, count=n)
+            items.append(item)
+        g = self._copy(items)
+        g.requirements = g.requirements + tuple(dict.fromkeys(reqs))
+        return g
 
     def split_layers(self, block: str, at) -> "Graph":
         """The block ``block`` as consecutive blocks split before each layer index in ``at``
@@ -338,7 +379,7 @@ class Graph:
         bounds = [sp.Integer(0)] + [sp.sympify(a) for a in at] + [rep.count]
         items, prev, reqs = [], rep.carried, []
         for a, z in zip(bounds, bounds[1:]):
-            part = f"{block}[{_fmt_index(a, rep.count)}:{_fmt_index(z, rep.count)}]"
+            part = Graph.part_name(block, a, z, rep.count)
             body = _body_copy(rep, part, prev)
             items.append(Repeat(part, sp.expand(z - a), body, prev,
                                 tuple(part + o[len(rep.name):] for o in rep.output), rep.shape,
@@ -349,6 +390,11 @@ class Graph:
         g = self._copy(self.items[:i] + items + self.items[i + 1:])
         g.requirements = g.requirements + tuple(r for r in reqs if not (r.lhs - r.rhs).is_number)
         return g
+
+    @staticmethod
+    def part_name(block: str, a, z, count) -> str:
+        """The name :meth:`split_layers` gives the part of ``block`` holding layers a to z - 1."""
+        return f"{block}[{_fmt_index(a, count)}:{_fmt_index(z, count)}]"
 
     def grouped(self, block: str, k: int) -> "Graph":
         """The block ``block`` with ``k`` consecutive layers as one iteration: a block of
@@ -363,7 +409,8 @@ class Graph:
             body._shapes[c.name] = c.shape
         prev = tuple(c.name for c in carries)
         for j in range(k):
-            nodes, prev = _renamed_body(rep, f"{rep.name}/{j}", f"{j}.", prev)
+            nodes, prev, kept = _renamed_body(rep, f"{rep.name}/{j}", f"{j}.", prev)
+            body.locals += kept
             body.items += nodes
             for n in nodes:
                 body._shapes[n.name] = n.shape
@@ -501,7 +548,8 @@ def _defines(item):
 def _renamed_body(rep: Repeat, prefix: str, param_prefix: str, carried: tuple, sep: str = "/"):
     """The body of ``rep`` written out once: value ``name/x`` renamed ``prefix/x`` (with
     ``sep`` between), its parameters ``param_prefix + name``, its carry nodes reading
-    ``carried``. Returns the nodes and the names of the copy's outputs."""
+    ``carried``. Returns the nodes, the names of the copy's outputs and the body's held
+    locals (:meth:`Graph.hold`) renamed."""
     ren = dict(zip(rep.carries, carried))
     nodes = []
     for node in rep.body.items:
@@ -513,7 +561,7 @@ def _renamed_body(rep: Repeat, prefix: str, param_prefix: str, carried: tuple, s
                        for p in node.params)
         nodes.append(Node(new, node.op, tuple(ren.get(x, x) for x in node.inputs), params, node.attrs,
                           node.shape))
-    return nodes, tuple(ren[o] for o in rep.output)
+    return nodes, tuple(ren[o] for o in rep.output), tuple((ren[v], ren[u]) for v, u in rep.body.locals)
 
 
 def _body_copy(rep: Repeat, name: str, inputs: tuple) -> "Graph":
@@ -523,7 +571,7 @@ def _body_copy(rep: Repeat, name: str, inputs: tuple) -> "Graph":
     carried = tuple(name + c[len(rep.name):] for c in rep.carries)
     body.items = [Node(c, "carry", (x,), attrs=n.attrs, shape=n.shape)
                   for c, x, n in zip(carried, inputs, [n for n in rep.body.items if n.name in rep.carries])]
-    nodes, _ = _renamed_body(rep, name, f"{name}.", carried)
+    nodes, _, body.locals = _renamed_body(rep, name, f"{name}.", carried)
     body.items += nodes
     for n in body.items:
         body._shapes[n.name] = n.shape
@@ -532,4 +580,6 @@ def _body_copy(rep: Repeat, name: str, inputs: tuple) -> "Graph":
 
 
 def _fmt_index(x, count) -> str:
-    return str(x) if sp.sympify(x) != count else ""
+    """A layer index in a part's name: empty for the first (0) and for the count."""
+    x = sp.sympify(x)
+    return "" if x == 0 or sp.expand(x - count) == 0 else str(x)

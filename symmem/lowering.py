@@ -46,7 +46,7 @@ ZERO = sp.Integer(0)
 
 def _block(rep: Repeat) -> str:
     """The holder of the values a repeated block reads from outside, until it ends."""
-    return f"block {rep.name}"
+    return f"block:{rep.name}"
 
 
 def autograd(node: str, copy: int = 0) -> str:
@@ -66,6 +66,17 @@ class _Lowering:
         self.order, self.info, self.storage, self.copies = t.order, t.info, t.storage, t.copies
         self.requirements = list(graph.requirements) + t.requirements
         self._outer = t.outer
+        self.order_last = [i for i in self.order if isinstance(i, Instance)][-1]   # the loss
+        # the model's Python locals (Graph.hold): held from the value's node to ``until``'s
+        self.locals: dict = {}        # (node, copy) -> [(value, holder) to hold there]
+        self.until: dict = {}         # (node, copy) -> [holders to release after it]
+        scopes = [(graph, (0,))] + [(rep.body, range(1, t.copies[rep.name] + 1)) for rep in graph.repeats()]
+        for g, copies in scopes:
+            for value, until in g.locals:
+                for c in copies:
+                    holder = f"local:{value}" + (f"#{c}" if c else "")
+                    self.locals.setdefault((value, c), []).append(holder)
+                    self.until.setdefault((until, c), []).append(holder)
 
     def _where(self, value: str):
         """Where the outer value ``value`` is defined (a block's output: its last copy)."""
@@ -86,9 +97,11 @@ class _Lowering:
         N = sp.expand(sum((p.numel * m for p, m in params), ZERO))
         tensors = sp.expand(sum((m for _, m in params), ZERO))
         opt, prec = policy.opt, policy.prec
+        buffers = [(node, m, self.info[(node.name, 0 if m == 1 else 1)].nbytes) for node, m in graph.buffers()]
         components = {"params": N * B_w, "grads": N * B_g,
                       "master": N * B_m if prec.master else ZERO,
-                      "optimizer": opt.states * N * B_o + (4 * tensors if policy.step_on_device else 0)}
+                      "optimizer": opt.states * N * B_o + (4 * tensors if policy.step_on_device else 0),
+                      "buffers": sp.expand(sum((nb * m for _, m, nb in buffers), ZERO))}
         events = []
         for p, m in params:
             events.append(Alloc(Key("param", p.name), p.numel * B_w, "params", m))
@@ -98,14 +111,16 @@ class _Lowering:
                 events.append(Alloc(Key("state", p.name), opt.states * p.numel * B_o, "optimizer", m))
             if policy.step_on_device:
                 events.append(Alloc(Key("step", p.name), sp.Integer(4), "optimizer", m))
+        for node, m, nbytes in buffers:
+            events.append(Alloc(Key("value", node.name), nbytes, "buffers", m))
         for inst in self.order:
-            if isinstance(inst, Instance) and inst.node.op == "input":
+            if isinstance(inst, Instance) and inst.node.op == "input" and not inst.node.attr("buffer"):
                 events.append(Alloc(inst.out, inst.fp.out.nbytes, "batch"))
         return events, components
 
     def _forward(self):
         events, cast_seen = [], set()
-        loss, entering = None, None
+        entering = None
         for inst in self.order:
             if not isinstance(inst, Instance):
                 kind, rep, c = inst
@@ -116,32 +131,37 @@ class _Lowering:
                     events.append(Release(_block(rep)))
                 continue
             fp, holder = inst.fp, autograd(inst.name, inst.copy)
-            new, holds = [], []
+            new, holds, late, brief = [], [], [], []
             for sv in fp.saved:
                 key = self._saved_key(inst, sv)
                 if sv.ref == "new":
                     new.append((key, sv.nbytes))
-                elif sv.ref.startswith("cast:"):
-                    if key not in cast_seen:      # autocast caches one copy per weight
-                        cast_seen.add(key)
-                        new.append((key, sv.nbytes))
-                        holds.append(Hold(key, CACHE))
+                    if sv.after:
+                        late.append(key)
+                    if sv.brief:
+                        brief.append(key)
                 holds.append(Hold(key, holder))
+            for name, numel, dtype in fp.casts:      # autocast caches one copy per weight
+                key = Key("cast", name, next(k.copy for k in inst.params if k.name == name))
+                if key not in cast_seen:
+                    cast_seen.add(key)
+                    new.append((key, numel * dtype.nbytes))
+                    holds.append(Hold(key, CACHE))
             is_input = inst.node.op == "input"
             out = None if (fp.alias is not None or is_input) else inst.out
             reads = tuple(dict.fromkeys(self.storage[i] for i in inst.inputs))
             if inst.name in self.graph.outputs and inst.copy == 0:
                 holds.append(Hold(inst.out, OUTPUTS))
+            if inst is self.order_last:      # the loss: the training loop keeps it for the whole step
+                holds.append(Hold(inst.out, LOOP))
+            holds += [Hold(inst.out, holder) for holder in self.locals.get((inst.name, inst.copy), ())]
             if entering:
                 holds, entering = holds + entering, None
             events.append(Compute(inst.name, out, fp.out.nbytes if out else ZERO, tuple(new), reads,
-                                  tuple(holds), fp.fwd_temp, inst.copy))
-            loss = (inst.name, inst.copy)
-        # the last node is the loss: the training loop keeps it for the whole step
-        last = events[-1]
-        events[-1] = replace(last, holds=last.holds + (Hold(self.storage[loss], LOOP),))
+                                  tuple(holds), fp.fwd_temp, inst.copy, late=tuple(late), brief=tuple(brief)))
+            events += [Release(holder) for holder in self.until.get((inst.name, inst.copy), ())]
         events += [Release(OUTPUTS), Release(CACHE)]
-        return events, loss
+        return events, (self.order_last.name, self.order_last.copy)
 
     def _saved_key(self, inst: Instance, sv) -> Key:
         if sv.ref.startswith("in"):
@@ -151,20 +171,22 @@ class _Lowering:
         if sv.ref.startswith("cast:"):
             name = sv.ref[5:]
             return Key("cast", name, next(k.copy for k in inst.params if k.name == name))
-        return Key("saved", f"{inst.name}:{sv.label}", inst.copy)
+        return Key("saved" if sv.hooked else "scalar", f"{inst.name}:{sv.label}", inst.copy)
 
     def _backward(self, loss):
         """Gradients flow from the loss back; ``grads`` maps a value to its gradient's
         storage, ``refs`` counts the values whose gradient a storage still is."""
         gkey = Key("vgrad", *loss)
         events = [Alloc(gkey, self.info[loss].nbytes, "transient")]
-        grads, refs, seen = {loss: gkey}, {gkey: 1}, set()
+        # torch.autograd.backward holds the loss's gradient (grad_tensors_) until it returns
+        grads, refs, seen = {loss: gkey}, {gkey: 2}, set()
         for inst in reversed(self.order):
             if not isinstance(inst, Instance):
                 kind, rep, c = inst
                 events.append(End(rep.name, c) if kind == "begin" else Begin(rep.name, c, rep.count))
             elif (inst.name, inst.copy) in grads:     # else no gradient reaches this value
                 events.append(self._node_backward(inst, grads, refs, seen))
+        events.append(Free(gkey, self.info[loss].nbytes, "transient"))
         return events
 
     def _node_backward(self, inst: Instance, grads: dict, refs: dict, seen: set) -> Backward:
@@ -186,16 +208,20 @@ class _Lowering:
             else:                         # "new", or "slice" arriving first
                 news.append((i, v))
 
-        def allocate(late: bool):
-            """The input and parameter gradients this node makes (late: those made by
-            cast-back nodes after it); returns the bytes of a tied weight's second gradient."""
+        def allocate(when: str):
+            """The input and parameter gradients this node makes ``when``: "now" (its kernels),
+            "reduced" (the engine sums a broadcast bias's), "late" (cast-back nodes after it);
+            returns the bytes of a tied weight's second gradient."""
             for i, v in news:
-                if (i in fp.late_inputs) == late:
+                if (i in fp.late_inputs) == (when == "late") and when != "reduced":
                     key = Key("vgrad", *v)
                     out.append(Alloc(key, self.info[v].nbytes, "transient"))
                     hand(v, key)
             tied = ZERO
-            for p, key in zip(inst.node.params, inst.params) if fp.late_params == late else ():
+            for i, (p, key) in enumerate(zip(inst.node.params, inst.params)):
+                kind = "late" if fp.late_param(i) else "reduced" if i in fp.reduced_params else "now"
+                if kind != when:
+                    continue
                 if key in seen:           # a tied weight: a second gradient, added in below
                     tied += p.numel * B_g
                 else:
@@ -203,21 +229,25 @@ class _Lowering:
                     out.append(Alloc(Key("grad", key.name, key.copy), p.numel * B_g, "grads"))
             return tied
 
-        tied = allocate(late=False)
+        tied = allocate("now")
         out.append(Mark("backward", inst.name, (("transient", fp.bwd_temp + extra + tied),), inst.copy))
+        if fp.reduced_params:
+            tied += allocate("reduced")
+            out.append(Mark("backward", f"{inst.name} (bias gradient)",
+                            (("transient", fp.bwd_temp + extra + tied),), inst.copy))
         refs[g] -= 1                      # the output's gradient has been used
         del grads[me]
         if refs[g] == 0:
             out.append(Free(g, self._grad_bytes(g), "transient"))
         out.append(Release(autograd(inst.name, inst.copy)))
-        if fp.late_inputs or fp.late_params:
-            tied += allocate(late=True)
+        if fp.late_inputs or any(fp.late_param(i) for i in range(len(inst.params))):
+            tied += allocate("late")
             out.append(Mark("backward", f"{inst.name} (cast back)", (("transient", fp.bwd_temp + tied),),
                             inst.copy))
         if tied != 0:                     # the engine sums the two gradients out of place
             out.append(Mark("backward", f"{inst.name} (tied gradient sum)", (("transient", 2 * tied),),
                             inst.copy))
-        return Backward(inst.name, inst.copy, tuple(out))
+        return Backward(inst.name, inst.copy, tuple(out), inst.params, g)
 
     def _grad_bytes(self, key: Key):
         return self.info[(key.name, key.copy)].nbytes

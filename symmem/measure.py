@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 try:
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -230,11 +231,13 @@ def saved_bytes(fn: Callable[[], Any], *, exclude: Any = None) -> SavedReport:
 
 
 class Sample(NamedTuple):
-    """Live bytes right after ``op`` ran (or at a phase boundary, ``op`` = "<start>"/"<end>")."""
+    """Live bytes right after ``op`` ran (or at a phase boundary, ``op`` = "<start>"/"<end>"),
+    in micro-batch ``micro`` (1 without gradient accumulation; the optimizer step's is 0)."""
 
     phase: str
     op: str
     live_bytes: int
+    micro: int = 1
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,7 @@ class StepReport:
     at_start: int
     phase_peaks: dict[str, int]
     cuda_max_allocated: int | None = None
+    peak_micro: int = 1
 
 
 class _LiveTracker(TorchDispatchMode):
@@ -264,6 +268,7 @@ class _LiveTracker(TorchDispatchMode):
         self.device = device
         self.lock = threading.Lock()  # CUDA backward runs on the engine's device thread
         self.phase = "setup"
+        self.micro = 1
         self.live = 0
         self.samples: list[Sample] = []
         self._entries: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -288,7 +293,7 @@ class _LiveTracker(TorchDispatchMode):
         dead = [key for key, (ref, _) in self._entries.items() if ref.expired()]
         for key in dead:
             self.live -= self._entries.pop(key)[1]
-        self.samples.append(Sample(self.phase, op, self.live))
+        self.samples.append(Sample(self.phase, op, self.live, self.micro))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -297,6 +302,39 @@ class _LiveTracker(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self.register(t)
             self.sample(str(func))
+        return out
+
+
+class _WrappedScalars(TorchFunctionMode):
+    """Shows the tracker the Python numbers autograd saves as 0-dim tensors (``x * 0.125``
+    saves a float64 ``0.125``). They never pass the dispatcher (a dispatch mode is handed
+    the number), so after each function call the new autograd node's unhooked saved slots
+    are read (never unpacked) and registered. They are host memory under CUDA (another
+    device: not counted there), real CPU storages on the CPU."""
+
+    def __init__(self, tracker: "_LiveTracker") -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.names: dict[type, list[str]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            if node is None:
+                continue
+            if type(node) not in self.names:
+                self.names[type(node)] = [n for n in dir(node) if n.startswith("_raw_saved_")]
+            for name in self.names[type(node)]:
+                try:
+                    raw = getattr(node, name)
+                except RuntimeError:
+                    continue
+                for slot in raw if isinstance(raw, (list, tuple)) else [raw]:
+                    data = getattr(slot, "data", None)
+                    if isinstance(data, torch.Tensor) and data.dim() == 0 and slot.unpack_hook is None:
+                        with self.tracker.lock:
+                            self.tracker.register(data)
         return out
 
 
@@ -313,12 +351,14 @@ def training_step(
     *,
     steps: int = 2,
     extra: Any = (),
+    accumulate: int = 1,
 ) -> StepReport:
     """Run ``steps`` training iterations and track live memory over the last one.
 
     Each iteration is ``optimizer.zero_grad(set_to_none=True)``; ``loss = loss_fn(module)``
     (phase "forward"); ``loss.backward()`` ("backward"); ``optimizer.step()``
-    ("optimizer"). Earlier iterations are warm-up (the optimizer creates its state in the
+    ("optimizer"). With ``accumulate = K > 1`` forward and backward run K times (micro-batches
+    1 to K, each ``loss = loss_fn(module) / K; loss.backward()``) before the step. Earlier iterations are warm-up (the optimizer creates its state in the
     first one); the last is tracked: after its ``zero_grad`` every tensor that already
     exists is registered -- parameters, buffers, gradients, optimizer state and ``extra``
     (tensors, or nests of them, e.g. the input batch) -- then every storage an operator
@@ -328,15 +368,24 @@ def training_step(
     Only storages on the module's device count (on CUDA, Adam's ``step`` counters live on
     the host and are left out). Storages created outside the dispatcher before the step
     (e.g. by a DataLoader or ``torch.from_numpy``) count only once an operator touches them
-    unless passed in ``extra``; 0-dim wrapped Python scalars that autograd saves (see
-    :func:`saved_bytes`) never pass the dispatcher and are not counted. The autograd engine
-    runs backward with the mode active, so backward operators appear in the timeline.
+    unless passed in ``extra``. The 0-dim tensors autograd wraps Python numbers in (see
+    :func:`saved_bytes`) never pass the dispatcher: a function mode registers them when the
+    node that saves them is made, so they count from the op that made them (they are
+    registered just after the op's own sample). The autograd engine runs backward with the
+    modes active, so backward operators appear in the timeline.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if accumulate < 1:
+        raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+
+    def micro_batch_loss():
+        return loss_fn(module) if accumulate == 1 else loss_fn(module) / accumulate
+
     for _ in range(steps - 1):
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(module).backward()
+        for _ in range(accumulate):
+            micro_batch_loss().backward()
         optimizer.step()
 
     device = _module_device(module)
@@ -352,17 +401,20 @@ def training_step(
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
 
-    with tracker:
-        tracker.phase = "forward"
-        tracker.sample("<start>")
-        at_start = tracker.live
-        loss = loss_fn(module)
-        tracker.sample("<end>")
-        tracker.phase = "backward"
-        tracker.sample("<start>")
-        loss.backward()
-        tracker.sample("<end>")
-        tracker.phase = "optimizer"
+    with _WrappedScalars(tracker), tracker:
+        for k in range(1, accumulate + 1):
+            tracker.micro = k
+            tracker.phase = "forward"
+            tracker.sample("<start>")
+            if k == 1:
+                at_start = tracker.live
+            loss = micro_batch_loss()
+            tracker.sample("<end>")
+            tracker.phase = "backward"
+            tracker.sample("<start>")
+            loss.backward()
+            tracker.sample("<end>")
+        tracker.phase, tracker.micro = "optimizer", 0
         tracker.sample("<start>")
         optimizer.step()
         tracker.sample("<end>")
@@ -376,4 +428,4 @@ def training_step(
     top = max(timeline, key=lambda s: s.live_bytes)  # the first sample at the peak
     phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES}
     return StepReport(top.live_bytes, top.phase, top.op, timeline, at_start, phase_peaks,
-                      cuda_max)
+                      cuda_max, top.micro)

@@ -37,13 +37,13 @@ from typing import NamedTuple, Union
 import sympy as sp
 
 __all__ = ["Key", "Hold", "Compute", "Alloc", "Free", "Release", "Mark", "Backward", "Begin", "End", "Event",
-           "flat",
+           "MicroBatch", "flat",
            "Plan", "PHASES", "ROLES", "AUTOGRAD", "CHECKPOINT", "CACHE", "OUTPUTS", "LOOP"]
 
 #: The phases of a step, in order.
 PHASES = ("states", "forward", "backward", "optimizer")
 #: The roles every live byte belongs to, in display order.
-ROLES = ("params", "master", "optimizer", "grads", "activations", "batch", "transient")
+ROLES = ("params", "buffers", "master", "optimizer", "grads", "activations", "batch", "transient")
 
 #: Holders that are not a node: the autocast weight cache (emptied when forward ends), the
 #: model's outputs (referenced until forward ends), the training loop (the batch and the
@@ -51,7 +51,7 @@ ROLES = ("params", "master", "optimizer", "grads", "activations", "batch", "tran
 CACHE, OUTPUTS, LOOP = "autocast cache", "model outputs", "training loop"
 #: The prefix of autograd's holders: ``AUTOGRAD + node`` holds what ``node`` saved; and of a
 #: checkpoint's, which holds the inputs of the region it recomputes.
-AUTOGRAD, CHECKPOINT = "saved by ", "checkpoint "
+AUTOGRAD, CHECKPOINT = "autograd:", "checkpoint:"
 
 ZERO = sp.Integer(0)
 
@@ -81,7 +81,11 @@ class Compute:
     """An operator runs: ``out`` (None for a view: no new storage) and ``new`` (storages it
     allocates besides its output, e.g. saved statistics or an autocast copy of a weight)
     are allocated, ``reads`` are read, ``holds`` say who keeps what, and ``temp`` bytes exist
-    only while it runs. ``role`` prices ``out``/``new`` storages nobody holds for backward."""
+    only while it runs. ``role`` prices ``out``/``new`` storages nobody holds for backward;
+    ``late`` names the ``new`` storages the kernel makes (the others exist before it runs);
+    ``brief`` those a composite op frees before its largest moment when nobody holds them.
+    Keys of kind ``scalar`` are Python numbers autograd saves as 0-dim tensors without the
+    saved-tensor hooks."""
     node: str
     out: Key | None = None
     out_bytes: sp.Expr = ZERO
@@ -90,7 +94,9 @@ class Compute:
     holds: tuple = ()          # (Hold, ...)
     temp: sp.Expr = ZERO
     copy: int = 0
-    role: str = "transient"    # of out/new when not held by autograd ("batch" for the inputs)
+    role: str = "transient"    # of out/new when not held by autograd
+    late: tuple = ()           # keys of ``new`` the op's kernel itself makes (after it runs)
+    brief: tuple = ()          # keys of ``new`` gone before the op's largest moment unless held
 
     def __str__(self) -> str:
         parts = [f"compute  {_node(self.node, self.copy)}"]
@@ -159,10 +165,14 @@ class Mark:
 class Backward:
     """The backward of one node (``copy`` as in :class:`Compute`): its events in order
     (its gradients allocated, a mark, its output's gradient freed, autograd's release of
-    what it saved). Passes find a node's backward by it."""
+    what it saved). ``params``: the parameters whose gradient it computes (their keys);
+    ``grad``: the storage of its output's gradient (another value's, when handed on).
+    Passes find a node's backward by it."""
     node: str
     copy: int
     events: tuple
+    params: tuple = ()
+    grad: "Key | None" = None
 
     def __str__(self) -> str:
         inner = "\n".join("    " + str(e) for e in self.events)
@@ -207,13 +217,23 @@ def _node(name: str, copy: int) -> str:
 
 
 @dataclass(frozen=True)
+class MicroBatch:
+    """A micro-batch after the first (gradient accumulation): its forward and backward,
+    run before the optimizer step. ``label`` names it in the timeline ("2", "8")."""
+    label: str
+    forward: tuple
+    backward: tuple
+
+
+@dataclass(frozen=True)
 class Plan:
     """One training step: events per phase, and what the counter needs beside them.
 
-    ``components``: the model states as formulas (params, grads, master, optimizer), from
-    the policy; ``loss``: the key of the loss value; ``requirements``: ((lhs, rhs, reason),
-    ...), ``lhs <= rhs`` must hold where the formulas are evaluated; ``notes``: what each
-    pass did, one line each (printed at the top)."""
+    ``later``: the micro-batches after the first (:class:`MicroBatch`, gradient accumulation);
+    ``components``: the model states as formulas (params, grads, master, optimizer, buffers),
+    from the policy; ``loss``: the key of the loss value; ``requirements``: the
+    :class:`~symmem.requirements.Requirement` objects the formulas need; ``notes``: what
+    each pass did, one line each (printed at the top)."""
     name: str
     states: tuple = ()
     forward: tuple = ()
@@ -223,6 +243,7 @@ class Plan:
     loss: Key | None = None
     requirements: tuple = ()
     notes: tuple = ()
+    later: tuple = ()
 
     def phase(self, name: str) -> tuple:
         return getattr(self, name)
@@ -230,12 +251,23 @@ class Plan:
     def with_phase(self, name: str, events) -> "Plan":
         return replace(self, **{name: tuple(events)})
 
+    def sections(self):
+        """(title, phase, micro-batch label, events) in the order the step runs them."""
+        first = "1" if self.later else ""
+        out = [("states", "states", "", self.states),
+               ("forward" + (" (micro-batch 1)" if first else ""), "forward", first, self.forward),
+               ("backward" + (" (micro-batch 1)" if first else ""), "backward", first, self.backward)]
+        for mb in self.later:
+            out += [(f"forward (micro-batch {mb.label})", "forward", mb.label, mb.forward),
+                    (f"backward (micro-batch {mb.label})", "backward", mb.label, mb.backward)]
+        return out + [("optimizer", "optimizer", "", self.optimizer)]
+
     def __str__(self) -> str:
         lines = [f"plan {self.name}"] + [f"# {n}" for n in self.notes]
-        for ph in PHASES:
-            lines.append(ph)
+        for title, _, _, events in self.sections():
+            lines.append(title)
             depth = 1
-            for e in self.phase(ph):
+            for e in events:
                 if isinstance(e, End):
                     depth -= 1
                 lines.append("\n".join("  " * depth + line for line in str(e).splitlines()))

@@ -36,7 +36,7 @@ GIB = GiB
 
 #: One colour per role, the same in every plot.
 ROLE_COLORS = {
-    "params": "#4C72B0", "master": "#8172B3", "optimizer": "#DD8452",
+    "params": "#4C72B0", "buffers": "#64B5CD", "master": "#8172B3", "optimizer": "#DD8452",
     "grads": "#C44E52", "activations": "#55A868", "batch": "#937860", "transient": "#8C8C8C",
 }
 _PHASE_COLORS = {"forward": "#4C72B0", "backward": "#C44E52", "optimizer": "#DD8452"}
@@ -189,9 +189,13 @@ def timeline(est: Estimate, *, ax=None, **values):
             while j + 1 < n and points[j + 1].iteration and points[j + 1].phase == points[i].phase:
                 j += 1
             y = 0.93
+            order = ("first", "second", "second to last", "last")
+            labels = sorted({p.iteration for p in points[i:j + 1]}, key=order.index)
+            text = (f"repeated block: {' / '.join(labels)} iteration"
+                    + (" alternate" if len(labels) > 1 else ""))
             ax.plot([i - 0.5, j + 0.5], [y, y], transform=xt, color="#555555", linewidth=1)
-            ax.text((i + j) / 2, y + 0.01, "repeated block: first / last iteration alternate",
-                    transform=xt, ha="center", va="bottom", fontsize=7.5, color="#555555")
+            ax.text((i + j) / 2, y + 0.01, text, transform=xt, ha="center", va="bottom", fontsize=7.5,
+                    color="#555555")
             i = j + 1
         else:
             i += 1

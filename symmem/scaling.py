@@ -31,8 +31,8 @@ from .symbols import DIMENSIONS, symbol
 __all__ = ["leading_term", "order", "orders", "elasticity", "dominant", "regimes", "Regime",
            "parameter_count", "bytes_per_parameter", "sweep", "MODEL_STATES", "GIB"]
 
-#: The roles that make up the model states (ZeRO's term): everything but activations.
-MODEL_STATES = ("params", "master", "optimizer", "grads")
+#: The roles that make up the model states (ZeRO's term, with the buffers): what exists whatever the batch.
+MODEL_STATES = ("params", "buffers", "master", "optimizer", "grads")
 #: Bytes in a GiB.
 GIB = 2**30
 

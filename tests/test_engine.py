@@ -22,6 +22,18 @@ def test_provably_nonneg():
     assert not provably_nonneg(-B_a)
 
 
+def test_monomials_read_polynomials_and_refuse_the_rest():
+    from fractions import Fraction
+    from symmem.bounds import monomials
+    assert monomials(sp.expand((b + 1)**2), [b]) == {(2,): 1, (1,): 2, (0,): 1}
+    assert monomials(b * s / 2 + 3, [b, s]) == {(1, 1): Fraction(1, 2), (0, 0): 3}
+    assert monomials(b - b, [b]) == {}
+    for e in (1 / b, sp.sqrt(b), sp.Max(b, s), 2**b, sp.pi * b):
+        assert monomials(e, [b, s]) is None, e
+    assert provably_nonneg((L - 1) / L)        # a ratio: numerator and denominator apart
+    assert not provably_nonneg((L - 2) / L)
+
+
 def test_peak_is_max_of_undominated_points(est):
     peak = est.peak
     assert isinstance(peak, sp.Max)
@@ -46,6 +58,15 @@ def test_canonical_form_groups_by_L_then_b_then_s(est):
     assert sp.expand(act).coeff(L) != 0
     # collected: the top level is a sum whose L-term is L*(...)
     assert any(t.is_Mul and L in t.args for t in act.args)
+
+
+def test_canonical_is_sympys_collect(est):
+    """canonical builds what sympy.collect(expand(e), [L, b, s]) gives, term for term and as
+    printed, for every candidate of the peak (L, b and s at the top, bare numbers apart)."""
+    exprs = [p.total for p in est.points] + list(est.components.values()) + [3 * L**2 * b + b * s + 7]
+    for e in exprs:
+        ours, theirs = canonical(e), sp.collect(sp.expand(e), [L, b, s])
+        assert ours == theirs and str(ours) == str(theirs)
 
 
 def test_evaluator_matches_exact(est):

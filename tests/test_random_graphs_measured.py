@@ -1,15 +1,17 @@
 """Random graphs, run for real: a small interpreter executes a symmem graph in PyTorch on the
-CPU (unrolled, with the ops' PyTorch code), and the formulas must match what autograd saves
-(exactly) and the training step's peak (within 1%)."""
+CPU (unrolled, with the ops' PyTorch code; each layer under torch.utils.checkpoint when the
+policy recomputes; K micro-batches when it accumulates), and the formulas must match what
+autograd saves and the training step's peak, to the byte."""
 import math
 
 import pytest
 
 torch = pytest.importorskip("torch")
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import symmem as sm  # noqa: E402
+from symmem import passes  # noqa: E402
 from symmem.errors import ShapeError  # noqa: E402
 from symmem.measure import saved_bytes, training_step  # noqa: E402
 from symmem.symbols import L  # noqa: E402
@@ -20,11 +22,14 @@ F = torch.nn.functional
 
 
 class Interpreter(torch.nn.Module):
-    """Runs an unrolled symmem graph as PyTorch eager code."""
+    """Runs an unrolled symmem graph as PyTorch eager code: values are dropped after their
+    last use, as locals of eager code would be. With ``checkpoint`` ("non-reentrant" or
+    "reentrant") the nodes of each layer (the same ``layer`` attribute; with ``marked``, of
+    the layers marked ``checkpoint=True`` only) run as one ``torch.utils.checkpoint`` region."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, checkpoint=None, marked=False):
         super().__init__()
-        self.graph = graph
+        self.graph, self.checkpoint, self.marked = graph, checkpoint, marked
         params, seen = torch.nn.ParameterDict(), set()
         for node in graph.items:
             for p in node.params:
@@ -39,10 +44,41 @@ class Interpreter(torch.nn.Module):
         return name.replace(".", "_").replace("/", "_")
 
     def forward(self, ids):
-        # Values are dropped after their last use, as locals of eager code would be.
-        last = {v: i for i, node in enumerate(self.graph.items) for v in node.inputs}
-        env = {}
-        for i, node in enumerate(self.graph.items):
+        items = self.graph.items
+        last = {v: i for i, node in enumerate(items) for v in node.inputs}
+        env, i = {}, 0
+        while i < len(items):
+            layer = items[i].attr("layer")
+            j = i + 1
+            if self.checkpoint is None or layer is None or (self.marked and not items[i].attr("checkpoint")):
+                self.run(items[i:j], env, ids, last, i)
+            else:
+                while j < len(items) and items[j].attr("layer") == layer:
+                    j += 1
+                region = items[i:j]
+                made = {n.name for n in region}
+                inputs = list(dict.fromkeys(v for n in region for v in n.inputs if v not in made))
+                outputs = [n.name for n in region if last.get(n.name, -1) >= j]
+
+                def fn(*args, region=region, inputs=inputs, outputs=outputs, start=i, stop=j):
+                    local = dict(zip(inputs, args))
+                    keep = {v: stop for v in outputs}
+                    self.run(region, local, ids, {**last, **keep}, start)
+                    return tuple(local[o] for o in outputs)
+                values = torch.utils.checkpoint.checkpoint(
+                    fn, *[env[v] for v in inputs], use_reentrant=self.checkpoint == "reentrant")
+                env.update(zip(outputs, values))
+                del values
+                for v in inputs:
+                    if last[v] < j:
+                        del env[v]
+            i = j
+        return env[items[-1].name]
+
+    def run(self, nodes, env, ids, last, start):
+        """Run ``nodes`` (the first at position ``start``) in ``env``, dropping each value after
+        its last use."""
+        for i, node in enumerate(nodes, start):
             ins = [env[v] for v in node.inputs]
             ps = [self.params[self.key(p.name)] for p in node.params]
             env[node.name] = self.op(node, ins, ps, ids)
@@ -50,7 +86,6 @@ class Interpreter(torch.nn.Module):
             for v in set(node.inputs):
                 if last[v] == i:
                     del env[v]
-        return env[self.graph.items[-1].name]
 
     def op(self, node, ins, ps, ids):
         x = ins[0] if ins else None
@@ -79,8 +114,9 @@ class Interpreter(torch.nn.Module):
             return x + ins[1]
         if op == "log_softmax":
             return F.log_softmax(x, dim=-1)
-        if op == "nll_loss":   # transformers' ForCausalLMLoss label shift
-            labels = F.pad(ins[1], (0, 1), value=-100)[..., 1:].contiguous()
+        if op == "nll_loss":   # transformers' ForCausalLMLoss label shift (its padded labels stay a local)
+            padded = F.pad(ins[1], (0, 1), value=-100)
+            labels = padded[..., 1:].contiguous()
             return F.nll_loss(x.view(-1, x.shape[-1]), labels.view(-1), ignore_index=-100)
         raise NotImplementedError(op)
 
@@ -91,22 +127,35 @@ OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, foreach=False),
               "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False)}
 
 
+#: spec -> how the interpreter checkpoints: the variant, and whether only marked layers
+RECOMPUTE = {"none": (None, False), "full": ("non-reentrant", False), "full,reentrant": ("reentrant", False),
+             "every:2": ("non-reentrant", False), "last:1": ("non-reentrant", True)}
+
+
+# a region whose last node saves nothing through the checkpoint's hooks (x * 0.125): its
+# backward runs before the recomputation, which stops at the layer norm
+@example(ops=["ln", "scale"], tied=False, p_drop=0.0, precision="fp32", optimizer="sgd", n=2, recompute="full",
+         accumulate=1, bb=2, ss=4)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=4), tied=st.booleans(),
        p_drop=st.sampled_from([0.0, 0.1]), precision=st.sampled_from(["fp32", "bf16-mixed"]),
-       optimizer=st.sampled_from(list(OPTIMIZERS)), n=st.integers(1, 3),
+       optimizer=st.sampled_from(list(OPTIMIZERS)), n=st.integers(1, 4),
+       recompute=st.sampled_from(list(RECOMPUTE)), accumulate=st.sampled_from([1, 1, 2, 3]),
        bb=st.integers(2, 4), ss=st.integers(4, 24))
-def test_random_graph_against_pytorch(ops, tied, p_drop, precision, optimizer, n, bb, ss):
+def test_random_graph_against_pytorch(ops, tied, p_drop, precision, optimizer, n, recompute, accumulate,
+                                      bb, ss):
+    assume(recompute != "every:2" or n % 2 == 0)
+    # a known gap, pinned below: gelu_new's backward under the reentrant checkpoint
+    assume(not (recompute == "full,reentrant" and "gelu_new" in ops))
     g = build(ops, tied, p_drop)
-    policy = sm.Policy(precision, optimizer, "cpu")
+    g.bindings[L] = n                 # the model's own layers (a block may be derived with them bound)
+    policy = sm.Policy(precision, optimizer, "cpu", recompute=recompute, accumulate=accumulate)
     try:
         est = sm.estimate(g, policy)
     except ShapeError:
         assume(False)
-    assume(not any(r.broken({L: n}) for r in est.requirements))   # e.g. L >= 2: a first iteration of its own
-    g.bindings[L] = n
     torch.manual_seed(0)
-    module = Interpreter(g.unrolled())
+    module = Interpreter(passes.prepare(g, policy).unrolled(), *RECOMPUTE[recompute])
     ids = torch.randint(0, 50, (bb, ss))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
 
@@ -114,8 +163,30 @@ def test_random_graph_against_pytorch(ops, tied, p_drop, precision, optimizer, n
         with autocast:
             return module(ids)
 
-    ev = est.at(b=bb, s=ss, L=n)
+    ev = est.at(b=bb, s=ss)
     assert ev.bytes["activations"] == saved_bytes(loss, exclude=module).total
-    report = training_step(module, lambda m: loss(), OPTIMIZERS[optimizer](module.parameters()), extra=(ids,))
-    assert abs(ev.peak - report.peak) <= 0.01 * report.peak, (ev.peak, report.peak, ev.peak_point.where,
-                                                              report.peak_phase, report.peak_op)
+    report = training_step(module, lambda m: loss(), OPTIMIZERS[optimizer](module.parameters()), extra=(ids,),
+                           accumulate=accumulate)
+    assert ev.peak == report.peak, (ev.peak_point.where, report.peak_phase, report.peak_op)
+
+
+def test_reentrant_gelu_new_backward_is_one_tensor_above():
+    """The known gap, pinned. gelu_new is several ops; its backward's largest moment is one
+    tensor of its input's size above the moment symmem counts (its first op, the output's
+    gradient and the input's beside one scratch tensor) when the output's gradient stays
+    referenced through the composite's backward, as the reentrant checkpoint's backward
+    keeps it: b*s*h*4 = 2*6*16*4 = 768 bytes here (fp32). Elsewhere the gradient is freed by
+    the composite's first op and the count is exact."""
+    g = build(["gelu_new"], True, 0.0)
+    g.bindings[L] = 1
+    policy = sm.Policy("fp32", "adamw", "cpu", recompute="full,reentrant")
+    est = sm.estimate(g, policy)
+    torch.manual_seed(0)
+    module = Interpreter(passes.prepare(g, policy).unrolled(), "reentrant")
+    ids = torch.randint(0, 50, (2, 6))
+    report = training_step(module, lambda m: module(ids), OPTIMIZERS["adamw"](module.parameters()), extra=(ids,))
+    subs = est._subs({"b": 2, "s": 6})
+    gelu = [int(p.total.xreplace(subs)) for p in est.timeline if p.phase == "backward"
+            and p.node == "blk/0_gelu_new"]
+    assert report.peak == max(gelu) + 2 * 6 * 16 * 4
+    assert report.peak_op == "aten.mul.Tensor" and report.peak_phase == "backward"

@@ -291,7 +291,8 @@ def test_every_format_holds_glossary_formulas_numbers_and_boundary(est16, report
     ev = est16.at(b=8, s=1024)
     numbers = [f"{ev.bytes[k]:,}" for k in ("params", "optimizer", "activations", "peak")] + \
         [f"{ev.peak_parts['transient']:,}", f"{ev.bytes['activations'] / 2**30:,.2f}"]
-    assert numbers[2] == "16,284,222,980" and numbers[3] == "21,071,077,892"
+    # 16,284,222,980 + 12 x 8*1024*3072 x 2 (gelu_new's float32 copy, CUDA autocast); peak also + 4
+    assert numbers[2] == "16,888,202,756" and numbers[3] == "21,675,057,672"
     for fmt, text in reports.items():
         for n in numbers:
             assert n in text, (fmt, n)

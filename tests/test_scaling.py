@@ -281,9 +281,9 @@ def test_sweep_dataframe(est):
     pd = pytest.importorskip("pandas")
     df = sc.sweep(est, **GRID)
     assert isinstance(df, pd.DataFrame)
-    assert list(df.columns) == ["b", "s", "params", "grads", "master", "optimizer", "activations",
+    assert list(df.columns) == ["b", "s", "params", "buffers", "grads", "master", "optimizer", "activations",
                                 "peak", "peak_gib"]
-    assert df.shape == (12, 9)
+    assert df.shape == (12, 10)
     _check_sweep(est, {c: df[c].to_numpy() for c in df.columns})
 
 

@@ -28,13 +28,13 @@ def test_max_batch_with_proof(gpt2):
     # usable = 80 GiB - 10% = 85,899,345,920 - 8,589,934,592 = 77,309,411,328
     assert (sol.total, sol.reserve, sol.usable) == (85_899_345_920, 8_589_934_592, 77_309_411_328)
     assert sol.at_value.peak <= sol.usable < sol.past_value.peak
-    assert sol.value == 31
+    assert sol.value == 30
     # the boundary, evaluated, is the answer; with numbers it is floor((M - R - c0)/c1)
-    assert sol.boundary.xreplace({**gpt2.bindings, s: 1024, M: sol.total, R: sol.reserve}) == 31
+    assert sol.boundary.xreplace({**gpt2.bindings, s: 1024, M: sol.total, R: sol.reserve}) == 30
     c1 = gpt2.at(b=2, s=1024).peak - gpt2.at(b=1, s=1024).peak     # bytes per sequence
     assert sp.expand(sol.boundary_numeric.args[0] - (M - R - (gpt2.at(b=1, s=1024).peak - c1)) / c1) == 0
     assert sol.binding.where == "backward log_softmax"
-    assert "max b = 31" in str(sol)
+    assert "max b = 30" in str(sol)
     c0, c1 = sol.linear_terms()             # the binding candidate is c0 + c1*b
     bound = {**gpt2.bindings, s: 1024}
     assert c1.xreplace(bound) == c1_bytes_per_sequence(gpt2)
@@ -62,7 +62,9 @@ def test_infeasible_shows_the_breakdown(gpt2):
     err = e.value
     assert err.symbol == "b" and err.value == 1 and err.usable == GiB
     assert err.needed == gpt2.at(b=1, s=1024).peak
-    assert str(err).startswith("no value of b fits: at b = 1 the peak is 4,156,690,948 bytes (3.87 GiB, "
+    # 4,156,690,948 before gelu_new's float32 copy (12 x 1024*3072 x 2 bytes) and the loss's
+    # gradient (4) were counted
+    assert str(err).startswith("no value of b fits: at b = 1 the peak is 4,232,188,424 bytes (3.94 GiB, "
                                "during backward log_softmax) but the budget allows 1,073,741,824 bytes")
     assert "at peak/activations" in str(err)
 

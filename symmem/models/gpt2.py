@@ -99,8 +99,8 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
     tok = g.add("embedding", ids, params=(wte,), name="wte")
     pos = g.add("position_embedding", ids, params=(wpe,), name="wpe")
     x = g.add("add", tok, pos, name="embed")
-    x = g.add("dropout", x, p=cfg.embd_pdrop, name="drop")
     mask = g.add("causal_mask", ids, name="causal_mask")
+    x = g.add("dropout", x, p=cfg.embd_pdrop, name="drop")
 
     def block(g: Graph, x: str) -> str:
         def ln(name, y):
@@ -115,15 +115,17 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
         qkv = conv1d("attn.c_attn", y, h, 3 * h)
         q, k, v = (g.add("heads", g.add("split", qkv, parts=3, index=i, name=f"h/attn/{n}"),
                          heads=a, name=f"h/attn/{n}_heads") for i, n in enumerate("qkv"))
-        z = g.add("matmul", q, k, transpose_b=True, name="h/attn/scores")
-        # eager_attention_forward multiplies by `scaling` whatever scale_attn_weights says
-        # (1.0 when it is false): the same tensors either way.
-        z = g.add("scale", z, name="h/attn/scale")
-        z = g.add("add", z, mask, name="h/attn/mask")
-        z = g.add("softmax", z, name="h/attn/softmax")
-        z = g.add("to_compute", z, name="h/attn/probs")
-        z = g.add("dropout", z, p=cfg.attn_pdrop, name="h/attn/attn_dropout")
-        z = g.add("matmul", z, v, name="h/attn/context")
+        # the attention core (eager_attention_forward): what selective recomputation redoes
+        with g.scope(recompute="attention"):
+            z = g.add("matmul", q, k, transpose_b=True, name="h/attn/scores")
+            # eager_attention_forward multiplies by `scaling` whatever scale_attn_weights says
+            # (1.0 when it is false): the same tensors either way.
+            z = g.add("scale", z, name="h/attn/scale")
+            z = g.add("add", z, mask, name="h/attn/mask")
+            z = g.add("softmax", z, name="h/attn/softmax")
+            z = g.add("to_compute", z, name="h/attn/probs")
+            z = g.add("dropout", z, p=cfg.attn_pdrop, name="h/attn/attn_dropout")
+            z = g.add("matmul", z, v, name="h/attn/context")
         z = g.add("merge_heads", z, name="h/attn/merge")
         z = conv1d("attn.c_proj", z, h, h)
         z = g.add("dropout", z, p=cfg.resid_pdrop, name="h/attn/resid_dropout")
@@ -133,7 +135,16 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
         y = g.add(act, y, name=f"h/mlp/{act}")
         y = conv1d("mlp.c_proj", y, ffn, h)
         y = g.add("dropout", y, p=cfg.resid_pdrop, name="h/mlp/dropout")
-        return g.add("add", y, x, name="h/mlp/residual")
+        out = g.add("add", y, x, name="h/mlp/residual")
+        # GPT2Block's and GPT2Attention's locals, alive until they return: the query, key and
+        # value views of c_attn's output; the attention weights (returned, then kept in `_`);
+        # the layer norms' outputs (until `hidden_states` is reassigned); `attn_output`
+        g.hold(qkv, until="h/attn/resid_dropout")
+        g.hold("h/attn/attn_dropout", until=out)
+        g.hold("h/ln_1", until="h/attn/residual")
+        g.hold("h/attn/resid_dropout", until=out)
+        g.hold("h/ln_2", until=out)
+        return out
 
     x = g.repeat(L, block, x, name="h")
     # The final hidden states stay referenced by the model's output until forward ends.
@@ -141,9 +152,18 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
                        name="ln_f"))
     head = wte if cfg.tie_word_embeddings else g.param("lm_head.weight", (V, h))
     logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
+    # ForCausalLMLoss: logits.float(), the labels padded and shifted, then cross-entropy;
+    # its locals (the float logits, the padded labels) live until it returns
     logits = g.add("to_float32", logits, name="logits_float")
+    padded = g.add("pad_labels", ids, name="labels_padded")
+    labels = g.add("shift_labels", padded, name="labels_shifted")
     logp = g.add("log_softmax", logits, name="log_softmax")
-    g.add("nll_loss", logp, ids, name="loss")
+    loss = g.add("nll_loss", logp, labels, shifted=True, name="loss")
+    for value in (logits, padded):
+        g.hold(value, until=loss)
+    # GPT2Model's locals, alive until it returns (after ln_f)
+    for value in (tok, pos, mask):
+        g.hold(value, until="ln_f")
     return g
 
 

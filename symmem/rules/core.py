@@ -110,11 +110,22 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Saved:
-    """One tensor saved for backward: ``ref`` is "inI", "out", "new" or "cast:PARAM"."""
+    """One tensor saved for backward: ``ref`` is "inI", "out", "new" or "cast:PARAM".
+
+    ``hooked`` False: a Python number autograd wraps in a 0-dim tensor and saves without
+    the saved-tensor hooks (so a checkpoint keeps it, and a dispatch mode never sees it).
+    ``after``: made by the op's own kernel (an output, such as layer norm's statistics),
+    so it is saved after the kernel runs; the other saved tensors exist before it (inputs,
+    casts, copies), which is where a non-reentrant checkpoint's recomputation stops.
+    ``brief``: made and consumed inside a composite op (the tanh of ``gelu_new``): when
+    nothing keeps it for backward it is freed before the op's largest moment."""
     label: str
     ref: str
     numel: sp.Expr = sp.Integer(0)
     dtype: DType = F32
+    hooked: bool = True
+    after: bool = False
+    brief: bool = False
 
     @property
     def nbytes(self) -> sp.Expr:
@@ -129,11 +140,24 @@ class Footprint:
     fwd_temp: sp.Expr = sp.Integer(0)
     grads: tuple = ()
     bwd_temp: sp.Expr = sp.Integer(0)
-    # Gradients made by cast-back nodes (autocast's ToCopyBackward) after this node's saved
-    # tensors and output gradient are released: these inputs' and (late_params) the
-    # parameters'. The half-precision gradients they cast are in bwd_temp.
+    # Gradients made after the node (by autocast's cast-back nodes, ToCopyBackward, or the
+    # engine's reduction of a broadcast bias), once its saved tensors and output gradient
+    # are released: these inputs' and the parameters' in late_params (True: all of them; or
+    # their indices in node.params). Half-precision gradients being cast back are in bwd_temp.
     late_inputs: tuple = ()
-    late_params: bool = False
+    late_params: bool | tuple = False
+    # Parameters (indices in node.params) whose gradient the engine sums to their shape once
+    # the node's kernels have run (validate_outputs: a broadcast bias), before it releases
+    # the node's saved tensors.
+    reduced_params: tuple = ()
+    # Autocast's weight cache: (parameter name, numel, dtype) of each half-precision copy of a
+    # parameter this op makes (once per parameter in a forward pass; the cache holds it until
+    # forward ends, autograd longer where a "cast:NAME" saved tensor refers to it).
+    casts: tuple = ()
+
+    def late_param(self, i: int) -> bool:
+        """Is the gradient of the node's ``i``-th parameter made after the node?"""
+        return self.late_params is True or (isinstance(self.late_params, tuple) and i in self.late_params)
 
 
 Rule = Callable[[NodeLike, list, Ctx], Footprint]

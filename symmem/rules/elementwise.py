@@ -45,7 +45,7 @@ def scale_rule(node, ins, ctx):
     """``x * c`` for a Python number c: PyTorch wraps c in a 0-dim float64 tensor and
     MulBackward saves it: 8 bytes, in host memory (so 0 bytes on the GPU under CUDA)."""
     x = ins[0]
-    saved = (Saved("scalar", "new", sp.Integer(1), F64),) if ctx.device == "cpu" else ()
+    saved = (Saved("scalar", "new", sp.Integer(1), F64, hooked=False),) if ctx.device == "cpu" else ()
     return Footprint(TensorInfo(x.shape, x.dtype, True, x.requires_grad), saved=saved, grads=_grads(ins))
 
 
@@ -58,7 +58,7 @@ def dropout_rule(node, ins, ctx):
     if node.attr("p", 0.0) == 0:
         return Footprint(x, alias=0, grads=_grads(ins, "pass"))
     if ctx.device == "cuda":
-        saved = (Saved("dropout mask", "new", x.numel, BOOL),)
+        saved = (Saved("dropout mask", "new", x.numel, BOOL, after=True),)
     else:
         saved = (Saved("dropout noise", "new", x.numel, x.dtype),)
     return Footprint(TensorInfo(x.shape, x.dtype, True, x.requires_grad), saved=saved, grads=_grads(ins))
@@ -80,20 +80,24 @@ def gelu_new_rule(node, ins, ctx):
     plus three 0-dim float64 scalars on the CPU (24 bytes).
     The tanh branch runs in the dtype autocast gives ``pow.Tensor_Scalar`` (float32 on
     CUDA, where pow is on the fp32 list), else in x's dtype (CPU autocast leaves pow
-    alone); the output is promoted to the wider of x's dtype and that branch's.
-    Known gap (measured on an H200, PyTorch 2.11, CUDA autocast): with a half x, pow saves
-    its float32 *copy* of x, not x: 2 bytes per element more than counted here."""
+    alone); the output is promoted to the wider of x's dtype and that branch's. Where pow
+    runs in float32 on a half x, what it saves is its float32 copy of x, not x (measured
+    on an H200 under CUDA autocast: 2 bytes per element more than saving x).
+    Its largest moment is its end (the output beside the three saved tensors): each
+    intermediate of the tanh branch is freed by the next op, so it has no scratch; when
+    nothing is saved (recomputation), the tanh (and pow's float32 copy) is gone by then."""
     x = ins[0]
     t = ctx.autocast_dtype("pow.Tensor_Scalar")
     if t is None:
         t = x.dtype
-    saved = [Saved("gelu input", "in0"), Saved("tanh", "new", x.numel, t),
+    first = (Saved("gelu input (float32 copy)", "new", x.numel, t, brief=True) if not ctx.same(t, x.dtype)
+             else Saved("gelu input", "in0"))
+    saved = [first, Saved("tanh", "new", x.numel, t, brief=True),
              Saved("0.5*x", "new", x.numel, x.dtype), Saved("1+tanh", "new", x.numel, t)]
     if ctx.device == "cpu":
-        saved.append(Saved("scalars", "new", sp.Integer(3), F64))
+        saved.append(Saved("scalars", "new", sp.Integer(3), F64, hooked=False))
     out = TensorInfo(x.shape, _promote(x.dtype, t), True, x.requires_grad)
-    return Footprint(out, saved=tuple(saved), fwd_temp=2 * x.numel * t.nbytes,
-                     grads=_grads(ins), bwd_temp=x.numel * t.nbytes)
+    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=x.numel * t.nbytes)
 
 
 @rule("relu")

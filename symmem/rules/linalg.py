@@ -19,8 +19,14 @@ def linear_rule(node, ins, ctx):
     Under autocast (``aten::linear`` and ``aten::addmm`` are on the lower-precision
     list of both devices) the input is cast to the half dtype (that copy is what is
     saved) and so is the weight: the copy is cached for the forward pass, so a parameter
-    used twice is cast once, and it is held until backward. Backward computes the input
-    gradient and the weight gradient in the half dtype and casts them back to float32."""
+    used twice is cast once, and it is held until backward. The bias is cast too, into
+    the same cache, but not saved: its copy lives until forward ends. Backward computes the input
+    gradient and the weight gradient in the half dtype and casts them back to float32.
+
+    The bias's gradient is the output's gradient summed over the rows, which the autograd
+    engine does when the node's kernels have run (``validate_outputs``), before it releases
+    what the node saved (``reduced_params``); under autocast every parameter's gradient
+    comes after the node, cast back (``late_params``)."""
     x = ins[0]
     w = node.params[0]
     out_features = w.shape[1] if node.attr("conv1d") else w.shape[0]
@@ -42,8 +48,10 @@ def linear_rule(node, ins, ctx):
         bwd_temp += sum((p.numel for p in node.params), sp.Integer(0)) * cast.nbytes
     else:
         saved.append(Saved("input", "in0"))
+    casts = tuple((p.name, p.numel, cast) for p in node.params) if cast is not None else ()
     return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, late_inputs=late,
-                     late_params=cast is not None)
+                     late_params=cast is not None, casts=casts,
+                     reduced_params=() if cast is not None else tuple(range(1, len(node.params))))
 
 
 @rule("matmul")

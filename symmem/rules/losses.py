@@ -7,14 +7,33 @@ import sympy as sp
 
 from .core import F32, I64, Footprint, Saved, TensorInfo, _grads, rule
 
-__all__ = ["nll_loss_rule"]
+__all__ = ["nll_loss_rule", "pad_labels_rule", "shift_labels_rule"]
+
+
+@rule("pad_labels")
+def pad_labels_rule(node, ins, ctx):
+    """``F.pad(labels, (0, 1), value=-100)``, the first half of Hugging Face's label shift
+    (``ForCausalLMLoss``): a new int64 tensor one column wider, (..., s + 1)."""
+    x = ins[0]
+    return Footprint(TensorInfo(tuple(x.shape[:-1]) + (x.shape[-1] + 1,), x.dtype, requires_grad=False),
+                     grads=(None,))
+
+
+@rule("shift_labels")
+def shift_labels_rule(node, ins, ctx):
+    """``padded[..., 1:].contiguous()``: the labels of the next tokens, a new int64 tensor
+    (..., s). (With b = 1 the slice is already contiguous and stays a view of the padded
+    labels: s + 1 elements, 8 bytes more than counted here.)"""
+    x = ins[0]
+    return Footprint(TensorInfo(tuple(x.shape[:-1]) + (x.shape[-1] - 1,), x.dtype, requires_grad=False),
+                     grads=(None,))
 
 
 @rule("nll_loss")
 def nll_loss_rule(node, ins, ctx):
     """``F.nll_loss(logp.view(-1, V), labels)``, mean over tokens, with Hugging Face's
     label shift (``pad`` then ``[..., 1:]``: a new int64 copy of the labels, saved as the
-    target). NllLossBackward saves logp, the target and a 0-dim float32 total weight.
+    target; with ``shifted=True`` the labels input is already that copy). NllLossBackward saves logp, the target and a 0-dim float32 total weight.
     Backward allocates a zero gradient of logp's size and scatters into it.
     Under autocast (CUDA and CPU: fp32 list) a float32 copy of half log-probabilities is
     what is saved, its float32 gradient is cast back after the op's backward, and the
@@ -29,9 +48,12 @@ def nll_loss_rule(node, ins, ctx):
         bwd_temp = logp.numel * cast.nbytes     # its float32 gradient, then cast back
     else:
         first, bwd_temp = Saved("log-probabilities", "in0"), sp.Integer(0)
-    saved = (first, Saved("shifted labels", "new", rows, I64),
-             Saved("total weight", "new", sp.Integer(1), F32))
-    padded = labels.numel / labels.shape[-1] * (labels.shape[-1] + 1) * I64.nbytes
+    if node.attr("shifted"):     # the labels come shifted (pad_labels, shift_labels nodes)
+        target, padded = Saved("labels", "in1"), sp.Integer(0)
+    else:
+        target = Saved("shifted labels", "new", rows, I64)
+        padded = labels.numel / labels.shape[-1] * (labels.shape[-1] + 1) * I64.nbytes
+    saved = (first, target, Saved("total weight", "new", sp.Integer(1), F32, after=True))
     out_dt = logp.dtype if cast is None else cast
     return Footprint(TensorInfo((), out_dt), saved=saved, fwd_temp=padded,
                      grads=_grads(ins), bwd_temp=bwd_temp, late_inputs=(0,) if bwd_temp != 0 else ())

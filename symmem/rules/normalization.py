@@ -32,7 +32,8 @@ def layer_norm_rule(node, ins, ctx):
         saved.append(Saved("layer-norm input", "in0"))
         out_dt = x.dtype if cast is None else cast
     stats = F32 if (ctx.device == "cuda" or ctx.autocast) else x.dtype
-    saved += [Saved("layer-norm mean", "new", rows, stats), Saved("layer-norm rstd", "new", rows, stats)]
+    saved += [Saved("layer-norm mean", "new", rows, stats, after=True),
+              Saved("layer-norm rstd", "new", rows, stats, after=True)]
     return Footprint(TensorInfo(x.shape, out_dt), saved=tuple(saved), grads=_grads(ins))
 
 

@@ -1,0 +1,130 @@
+"""The CUDA column, measured: Hugging Face's GPT-2 trained for real on a GPU beside symmem's
+formulas with ``device="cuda"``.
+
+Run on a machine with a CUDA GPU, from the repository's root (no install needed)::
+
+    python benchmarks/cuda_check.py
+
+For each case it prints the bytes saved for backward and the training step's peak: symmem's
+prediction, the live storages symmem.measure tracks on the GPU (the same count the suite
+makes on the CPU), their difference, and torch.cuda.max_memory_allocated for scale (it adds
+the caching allocator's rounding and cuBLAS workspaces, which symmem does not model).
+CUDA differs from the CPU in what is checked here: 1-byte dropout masks, float32 layer-norm
+statistics, autocast's CUDA lists (layer_norm, softmax, log_softmax and pow in float32),
+Adam's step counters on the host, foreach optimizers, Python numbers saved on the host.
+Exit status 1 when a difference is not zero.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import symmem as sm  # noqa: E402
+from symmem.measure import saved_bytes, training_step  # noqa: E402
+
+warnings.filterwarnings("ignore")
+transformers.logging.set_verbosity_error()
+
+# (b, s, h, a, L, V, n_positions, activation)
+POINTS = [(2, 16, 32, 4, 2, 100, 32, "gelu_new"), (4, 64, 64, 4, 3, 500, 64, "gelu_new"),
+          (8, 128, 128, 8, 2, 1000, 128, "gelu")]
+CASES = [  # point, precision, optimizer, implementation, recompute, accumulate
+    (0, "fp32", "adamw", "auto", "none", 1),
+    (0, "bf16-mixed", "adamw", "auto", "none", 1),
+    (1, "fp32", "sgd", "auto", "none", 1),
+    (1, "bf16-mixed", "adamw", "fused", "none", 1),
+    (2, "bf16-mixed", "adam", "auto", "none", 1),
+    (2, "fp16-mixed", "sgd-momentum", "auto", "none", 1),
+    (1, "fp32", "adamw", "auto", "full", 1),
+    (1, "bf16-mixed", "adamw", "auto", "full", 1),
+    (1, "bf16-mixed", "sgd", "auto", "full,reentrant", 1),
+    (2, "bf16-mixed", "adamw", "auto", "selective", 1),
+    (1, "bf16-mixed", "adamw", "auto", "none", 2),
+    (1, "fp32", "sgd", "auto", "full", 3),
+]
+
+
+from transformers.models.gpt2 import modeling_gpt2  # noqa: E402
+
+EAGER_CORE = modeling_gpt2.eager_attention_forward
+
+
+def model_for(point, recompute):
+    b, s, h, a, L, V, P, act = point
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=h, n_head=a, n_layer=L, vocab_size=V, n_positions=P,
+                                  activation_function=act, attn_implementation="eager", use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).cuda().train()
+    base, _, variant = recompute.partition(",")
+    modeling_gpt2.eager_attention_forward = EAGER_CORE      # undo an earlier case's selective patch
+    if base == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": variant == "reentrant"})
+    elif base == "selective":
+        core = EAGER_CORE
+
+        def checkpointed_core(module, q, k, v, mask, **kwargs):
+            return torch.utils.checkpoint.checkpoint(lambda q, k, v, m: core(module, q, k, v, m, **kwargs),
+                                                     q, k, v, mask, use_reentrant=False)
+        modeling_gpt2.eager_attention_forward = checkpointed_core
+    return cfg, model
+
+
+def optimizer_for(name, impl, params):
+    kw = {} if impl == "auto" else {"foreach": impl == "foreach", "fused": impl == "fused"}
+    if name in ("adam", "adamw"):
+        return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, **kw)
+    kw.pop("fused", None)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd-momentum" else 0.0, **kw)
+
+
+def run(case):
+    i, precision, opt, impl, recompute, k = case
+    point = POINTS[i]
+    b, s, h, a, L, V, P, act = point
+    cfg, model = model_for(point, recompute)
+    est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()),
+                      sm.Policy(precision, opt, "cuda", impl, recompute=recompute, accumulate=k))
+    ev = est.at(b=b, s=s)
+    ids = torch.randint(0, V, (b, s), device="cuda")
+    half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+
+    def loss():
+        with torch.autocast("cuda", dtype=half or torch.float32, enabled=half is not None):
+            return model(ids, labels=ids).loss
+    saved = saved_bytes(loss, exclude=model)
+    cuda_saved = sum(e.storage_nbytes for e in saved.entries if e.counted and e.device.startswith("cuda"))
+    report = training_step(model, lambda m: loss(), optimizer_for(opt, impl, model.parameters()), extra=(ids,),
+                           accumulate=k)
+    return ev, cuda_saved, report
+
+
+def main() -> int:
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
+    print(f"{'case':<46}{'saved':>10}{'diff':>7}{'peak':>11}{'diff':>8}{'max_alloc':>11}  where")
+    bad = 0
+    for case in CASES:
+        name = f"P{case[0]} {case[1]} {case[2]}[{case[3]}] rc={case[4]} K={case[5]}"
+        try:
+            ev, saved, report = run(case)
+        except Exception:            # report and go on: one broken case must not hide the rest
+            bad += 1
+            print(f"{name:<46}ERROR\n{traceback.format_exc(limit=3)}")
+            continue
+        ds, dp = ev.bytes["activations"] - saved, ev.peak - report.peak
+        bad += ds != 0 or dp != 0
+        print(f"{name:<46}{saved:>10,}{ds:>7,}{report.peak:>11,}{dp:>8,}{report.cuda_max_allocated:>11,}  "
+              f"{ev.peak_point.where} | {report.peak_phase} {report.peak_op}")
+    print("all exact" if not bad else f"{bad} case(s) differ")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

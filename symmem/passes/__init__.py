@@ -1,0 +1,34 @@
+"""Passes: one technique each, rewriting the plan of a training step.
+
+A pass is a module with two functions:
+
+- ``prepare(graph, policy) -> Graph``: the graph the technique needs (recomputing K
+  layers at a time groups them into one iteration; most passes return the graph as is);
+- ``apply(plan, graph, policy) -> Plan``: the plan rewritten (and a line in ``plan.notes``).
+
+:data:`PASSES` runs them in order; :func:`symmem.engine.estimate` calls :func:`prepare`
+before lowering and :func:`run` after it. Later techniques (sharding, offload, pipeline
+schedules, inference) are further modules here.
+"""
+from __future__ import annotations
+
+from . import accumulate, recompute
+
+__all__ = ["PASSES", "prepare", "run", "recompute", "accumulate"]
+
+#: The passes, in the order they rewrite a plan.
+PASSES = (recompute, accumulate)
+
+
+def prepare(graph, policy):
+    """The graph after every pass's ``prepare``."""
+    for p in PASSES:
+        graph = p.prepare(graph, policy)
+    return graph
+
+
+def run(plan, graph, policy):
+    """The plan after every pass's ``apply``."""
+    for p in PASSES:
+        plan = p.apply(plan, graph, policy)
+    return plan
