@@ -274,6 +274,7 @@ def _report(args, policy: Policy) -> dict:
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
                        "seq": args.seq, **policy_inputs(policy)},
+            "batch_per_step": args.batch * policy.accumulate,     # b*K sequences per optimizer step
             "bindings": {str(k): _number(v) for k, v in bindings.items()},
             "parameters": int(est.components["params"].xreplace({**bindings, B_w: 1})),
             "bytes": {k: ev.bytes[k] for k in (*COMPONENTS, "peak")},
@@ -319,6 +320,9 @@ def render_table(args, policy: Policy, r: dict) -> str:
            textwrap.fill(f"policy: {policy.describe()}", WIDTH, subsequent_indent="  "),
            f"inputs: batch b = {args.batch:,}, seq s = {args.seq:,}; model {dims}",
            ""]
+    if policy.accumulate > 1:
+        out.insert(-1, f"  {policy.accumulate} micro-batches of b = {args.batch:,}: {j['batch_per_step']:,} "
+                       f"sequences per optimizer step")
     w = 34
     out.append(f"{'component':<{w}}{'bytes':>18}{'size':>14}")
     for k in COMPONENTS:

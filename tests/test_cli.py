@@ -234,6 +234,11 @@ def test_recompute_and_accumulate_options(capsys, argv, kwargs):
     assert j["bytes"]["activations"] < plain["bytes"]["activations"]
     assert j["inputs"]["recompute"] == kwargs["recompute"]
     assert j["inputs"]["accumulate"] == kwargs.get("accumulate", 1)
+    assert j["batch_per_step"] == 2 * kwargs.get("accumulate", 1)      # b*K sequences per step
+    code, out, _ = run(capsys, "estimate", "--config", TINY, "--batch", 2, "--seq", 16, "--device", "cpu", *argv)
+    assert f"recompute {kwargs['recompute']}" in " ".join(out.split())
+    if "accumulate" in kwargs:
+        assert "3 micro-batches of b = 2: 6 sequences per optimizer step" in out
 
 
 def test_policies_lists_every_registered_part(capsys):

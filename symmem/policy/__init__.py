@@ -91,7 +91,7 @@ class Policy:
         if self.recompute.mode != "none":
             out += f"; recompute {self.recompute}"
         if self.accumulate > 1:
-            out += f"; {self.accumulate} micro-batches per step"
+            out += f"; {self.accumulate} micro-batches of b per optimizer step (batch b*{self.accumulate})"
         return out
 
 
