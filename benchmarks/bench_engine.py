@@ -2,8 +2,8 @@
 
 Run: python benchmarks/bench_engine.py
 Prints one table; the derivation time must not grow with the layer count L (L stays a
-symbol: the repeated block is walked once), so gpt2 (L=12) and gpt3-175b (L=96) and a
-512-layer variant should take about the same time.
+symbol: the repeated block is counted as three copies, the middle one extrapolated), so gpt2
+(L=12) and gpt3-175b (L=96) and a 512-layer variant should take about the same time.
 """
 from __future__ import annotations
 

@@ -141,8 +141,9 @@ def timeline(est: Estimate, *, ax=None, **values):
     shaded and labelled, and the peak (the largest total, which is ``est.at(**values)
     .peak``) is marked and labelled with where it is.
 
-    The repeated block (e.g. GPT-2's ``L`` layers) is walked once, so the timeline has
-    no point for the middle iterations: for each point inside it there are two, at the
+    The repeated block (e.g. GPT-2's ``L`` layers) is counted as three copies (first,
+    middle, last), the middle one extrapolated, so the timeline has no point for the middle
+    iterations: for each point inside it there are two, at the
     first and at the last iteration (their bytes are affine in the iteration, so the
     maximum is at one of them). They are plotted as they are, one after the other, so
     inside the block the bars alternate between the two iterations (forward: first,
