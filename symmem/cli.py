@@ -1,7 +1,7 @@
 """The ``symmem`` command line.
 
     symmem estimate --model gpt2 --batch 8 --seq 1024 --precision bf16-mixed --optimizer adamw
-    symmem estimate --config path/to/config.json --batch 8 --seq 1024 --format json
+    symmem estimate --config examples/gpt2-medium/config.json --batch 8 --seq 1024 --format json
     symmem models
 
 ``main(argv)`` returns the exit status: 0 ok, 1 when symmem rejected an input (an
@@ -35,8 +35,8 @@ WIDTH = 88
 
 SWEEP_EPILOG = """\
 examples:
-  symmem sweep --model gpt2 --batch 1:64 --seq 512,1024,2048 --precision bf16-mixed > gpt2.csv
-  symmem sweep --model gpt3-175b --batch 1:1000 --seq 1:2048 --progress > big.csv
+  symmem sweep --model gpt2 --batch 1:64 --seq 256,512,1024 --precision bf16-mixed > gpt2.csv
+  symmem sweep --model gpt3-175b --batch 1:1000 --seq 128:2048:128 --progress > big.csv
 
 exit status: 0 success; 1 an input was rejected; 2 bad usage.
 """
@@ -44,7 +44,7 @@ exit status: 0 success; 1 an input was rejected; 2 bad usage.
 SOLVE_EPILOG = """\
 examples:
   symmem max-batch --model gpt2 --seq 1024 --precision bf16-mixed --gpu H100-80GB
-  symmem max-batch --model gpt2-xl --seq 2048 --budget 80GiB --reserve 2GiB --format json
+  symmem max-batch --model gpt2-xl --seq 1024 --budget 80GiB --reserve 2GiB --format json
   symmem solve --model gpt2 --for s --max --batch 8 --gpu A100-40GB
   symmem solve --model gpt2 --for L --batch 8 --seq 1024 --budget 24GB --reserve 0
 
@@ -589,18 +589,27 @@ examples:
   symmem report gpt2 --batch 8 --seq 1024 --precision bf16-mixed --gpu H100-80GB \\
       --format latex -o gpt2.tex && pdflatex gpt2.tex
   symmem report examples/gpt2-medium --batch 4 --budget 40GiB --format html -o report.html
-  symmem report path/to/config.json --format markdown > REPORT.md
-  symmem formula --model gpt2 --precision bf16-mixed --component activations --format latex
-  symmem formula --config examples/tiny-gpt2 --component peak --format sympy
+  symmem report --config examples/tiny-gpt2/config.json --format markdown > REPORT.md
+  symmem report --model gpt2-medium --batch 2 --seq 512 --recompute full
 
-MODEL-OR-CONFIG is a path when a file or folder of that name exists (a Hugging Face
-config.json, or the folder holding one: the report names the model after the folder),
-else a preset name (symmem models). --format sympy prints what sympy.sympify reads back;
---format latex prints one line that sympy's LaTeX parser reads back.
+The model is --model NAME, --config PATH, or one MODEL-OR-CONFIG: a path when a file or
+folder of that name exists (a Hugging Face config.json, or the folder holding one: the
+report names the model after the folder), else a preset name (symmem models).
 
 exit status: 0 success; 1 an input was rejected (unknown model, component, GPU; a
 config or output file that cannot be read or written); 2 bad usage (e.g. an unknown
 --format).
+"""
+
+FORMULA_EPILOG = """\
+examples:
+  symmem formula --model gpt2 --precision bf16-mixed --component activations --format latex
+  symmem formula --config examples/tiny-gpt2 --component peak --format sympy
+
+--format sympy prints what sympy.sympify reads back; --format latex prints one line that
+sympy's LaTeX parser reads back.
+
+exit status: 0 success; 1 an input was rejected (unknown model or component); 2 bad usage.
 """
 
 FORMULA_COMPONENTS = ("peak",) + COMPONENTS
@@ -616,9 +625,11 @@ def _add_report_commands(sub) -> None:
                     "it is, exact bytes at --batch and --seq, the largest micro-batch that\n"
                     "fits --gpu or --budget, and where each term comes from.",
         epilog=REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rp.add_argument("source", metavar="MODEL-OR-CONFIG",
+    rp.add_argument("source", metavar="MODEL-OR-CONFIG", nargs="?",
                     help=f"a preset ({', '.join(models.PRESETS)}) or the path of a config.json "
-                         "or of a folder holding one")
+                         "or of a folder holding one (or use --model / --config)")
+    rp.add_argument("--model", metavar="NAME", help="a preset, by name or Hugging Face id")
+    rp.add_argument("--config", metavar="PATH", help="a local config.json, or the folder holding one")
     rp.add_argument("--batch", type=positive_int, default=1, metavar="B",
                     help="micro-batch size b for the numbers (default: %(default)s)")
     rp.add_argument("--seq", type=positive_int, metavar="S",
@@ -637,13 +648,13 @@ def _add_report_commands(sub) -> None:
                          "self-contained page, math in MathML) (default: %(default)s)")
     rp.add_argument("--title", metavar="TEXT", help="the report's title")
     rp.add_argument("-o", "--output", metavar="FILE", help="write here (default: standard output)")
-    rp.set_defaults(func=cmd_report)
+    rp.set_defaults(func=cmd_report, usage=rp)       # usage: for errors argparse cannot see
 
     fm = sub.add_parser(
         "formula", help="one formula: the peak or a component, as LaTeX or sympy",
         description="Print one formula of the training step: the peak (a max over the\n"
                     "moments that can be the largest) or a component, in symbols.",
-        epilog=REPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=FORMULA_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_options(fm)
     fm.add_argument("--component", default="peak", metavar="NAME",
                     help=f"{' | '.join(FORMULA_COMPONENTS)} (default: %(default)s)")
@@ -658,6 +669,14 @@ def _report_source(args) -> None:
     looks like a path) or ``args.model`` (a preset name)."""
     from pathlib import Path
     src = args.source
+    given = [f for f in ("--model", "--config") if getattr(args, f[2:]) is not None]
+    if src is None:
+        if len(given) != 1:
+            args.usage.error("name the model once: MODEL-OR-CONFIG, --model NAME or --config PATH"
+                             + (f" (got {' and '.join(given)})" if given else ""))
+        return
+    if given:
+        args.usage.error(f"name the model once: MODEL-OR-CONFIG {src!r} and {given[0]} were both given")
     looks_like_path = "/" in src or "\\" in src or src.endswith(".json") or src.startswith(".")
     if Path(src).exists():
         args.model, args.config = None, src
