@@ -451,21 +451,35 @@ def cmd_solve(args) -> int:
     return _run_solve(args, args.symbol, args.direction, _fixed(args))
 
 
-def _values(text: str, flag: str) -> list[int]:
-    """``"1,2,8"`` or ``"1:64"`` / ``"1:64:2"`` (inclusive) -> a list of positive integers."""
+def _values(text: str, flag: str):
+    """``"1,2,8"`` -> a list, ``"1:64"`` / ``"1:64:2"`` (inclusive) -> a ``range`` (never
+    written out: a range of 10^9 values costs nothing until the sweep reaches it); positive
+    integers either way."""
     try:
         if ":" in text:
             parts = [int(p) for p in text.split(":")]
             if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] < 1):
                 raise ValueError
-            values = list(range(parts[0], parts[1] + 1, parts[2] if len(parts) == 3 else 1))
+            values = range(parts[0], parts[1] + 1, parts[2] if len(parts) == 3 else 1)
         else:
             values = [int(p) for p in text.split(",")]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
+    if not len(values) or min(values[0], values[-1]) < 1 or (isinstance(values, list) and min(values) < 1):
         raise ConfigError(flag, text, "positive integers: a list like 1,2,8 or a range like 1:64 or 1:64:2")
     return values
+
+
+def _largest(values) -> int:
+    return values[-1] if isinstance(values, range) else max(values)
+
+
+def _take(values, index):
+    """``values[index]`` for an array of indices, a range computed rather than stored."""
+    import numpy as np
+    if isinstance(values, range):
+        return values.start + values.step * index
+    return np.asarray(values, dtype=np.int64)[index]
 
 
 class Progress:
@@ -489,32 +503,40 @@ SWEEP_CHUNK = 100_000
 
 
 def cmd_sweep(args) -> int:
-    import numpy as np
     est = _load(args, _policy(args))
     bs, ss = _values(args.batch, "--batch"), _values(args.seq, "--seq")
-    est.at(b=max(bs), s=max(ss))             # the model's limits (e.g. s <= s_max), checked once
+    est.at(b=_largest(bs), s=_largest(ss))   # the model's limits (e.g. s <= s_max), checked once
     names = (*COMPONENTS, "peak")
     fns = {n: est.evaluator("b", "s", component=n) for n in names}
-    b_grid, s_grid = (a.ravel() for a in np.meshgrid(bs, ss, indexing="ij"))
-    total = b_grid.size
+    total = len(bs) * len(ss)
     enabled = args.progress if args.progress is not None else (sys.stderr.isatty() and total > SWEEP_CHUNK)
-    bar = Progress(total, enabled)
-    columns = {"b": b_grid, "s": s_grid}
-    chunks = {n: [] for n in names}
-    for start in range(0, total, SWEEP_CHUNK):
-        part = slice(start, start + SWEEP_CHUNK)
-        for n in names:
-            chunks[n].append(np.broadcast_to(fns[n](b=b_grid[part], s=s_grid[part]), b_grid[part].shape))
-        bar.advance(b_grid[part].size)
-    columns.update({n: np.concatenate(chunks[n]) for n in names})
-    rows = zip(*(columns[k].tolist() for k in columns))
-    if args.format == "json":
-        print(json.dumps([dict(zip(columns, (int(v) for v in row))) for row in rows]))
-    else:
-        out = [",".join(columns)]
-        out += [",".join(str(int(v)) for v in row) for row in rows]
-        print("\n".join(out))
+    try:
+        _sweep_rows(bs, ss, fns, ("b", "s", *names), Progress(total, enabled), args.format, sys.stdout)
+    except BrokenPipeError:     # the reader stopped early (| head): not an error
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _sweep_rows(bs, ss, fns, header, bar, fmt, out) -> None:
+    """Row i is (bs[i // len(ss)], ss[i % len(ss)]) and its bytes; SWEEP_CHUNK rows at a
+    time, written as they are computed, so memory stays bounded however large the grid."""
+    import numpy as np
+    total = len(bs) * len(ss)
+    out.write("[" if fmt == "json" else ",".join(header) + "\n")
+    for start in range(0, total, SWEEP_CHUNK):
+        index = np.arange(start, min(start + SWEEP_CHUNK, total), dtype=np.int64)
+        b_part, s_part = _take(bs, index // len(ss)), _take(ss, index % len(ss))
+        columns = [b_part, s_part] + [np.broadcast_to(fns[n](b=b_part, s=s_part), b_part.shape) for n in header[2:]]
+        rows = zip(*(c.tolist() for c in columns))
+        if fmt == "json":
+            text = ",".join(json.dumps(dict(zip(header, map(int, row)))) for row in rows)
+            out.write(("," if start else "") + text)
+        else:
+            out.write("".join(",".join(str(int(v)) for v in row) + "\n" for row in rows))
+        bar.advance(index.size)
+    if fmt == "json":
+        out.write("]\n")
 
 
 def cmd_policies(args) -> int:

@@ -73,6 +73,8 @@ class GPT2Config:
             p = getattr(self, key)
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
                 raise ConfigError(key, p, "a dropout probability in [0, 1)")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError("tie_word_embeddings", self.tie_word_embeddings, "true or false")
 
     def bindings(self) -> dict:
         out = {h: self.n_embd, L: self.n_layer, a: self.n_head, V: self.vocab_size,

@@ -328,6 +328,9 @@ class Registry:
             except UnicodeDecodeError:
                 raise ConfigError("config", str(path),
                                   "a UTF-8 text file (as Hugging Face writes them)") from None
+            except RecursionError:       # json's decoder recurses once per level of nesting
+                raise ConfigError("config", str(path), "JSON nested at most a few hundred levels deep "
+                                  "(a Hugging Face config.json is two or three)") from None
             name = name or path.parent.name or None
         if not isinstance(config, Mapping):
             raise ConfigError("config", type(config).__name__, "a dict or a path to config.json")
@@ -335,6 +338,8 @@ class Registry:
         if model_type is None:
             raise ConfigError("model_type", None, f"one of {', '.join(self._model_types)}",
                               "Add \"model_type\" to the config.")
+        if not isinstance(model_type, str):
+            raise ConfigError("model_type", model_type, f"a name: one of {', '.join(self._model_types)}")
         if model_type not in self._model_types:
             raise UnknownName("model_type", model_type, self.model_types())
         fam = self._model_types[model_type]

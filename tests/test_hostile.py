@@ -1,0 +1,80 @@
+"""Hostile input, to the command line and to the Python API: a clear error (exit status 1 or
+2, a message naming the value), never a traceback, nothing written to disk."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import symmem as sm
+from symmem.cli import main
+from symmem.errors import ConfigError, SymmemError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = json.loads((ROOT / "examples" / "tiny-gpt2" / "config.json").read_text())
+
+# config.json contents -> words the message must contain
+CONFIGS = {
+    "nested 100,000 levels": ('{"a":' * 100_000 + "1" + "}" * 100_000, ["nested", "levels"]),
+    "model_type a list": (json.dumps({**TINY, "model_type": ["gpt2"]}), ["model_type = ['gpt2']", "one of gpt2"]),
+    "n_embd a string": (json.dumps({**TINY, "n_embd": "768"}), ["n_embd = '768'", "positive integer"]),
+    "n_embd infinite": (json.dumps({**TINY, "n_embd": 1e400}), ["n_embd = inf", "positive integer"]),
+    "n_layer fractional": (json.dumps({**TINY, "n_layer": 2.5}), ["n_layer = 2.5", "positive integer"]),
+    "n_head zero": (json.dumps({**TINY, "n_head": 0}), ["n_head = 0", "positive integer"]),
+    "dropout above one": (json.dumps({**TINY, "resid_pdrop": 2.0}), ["resid_pdrop = 2.0", "[0, 1)"]),
+    "tie_word_embeddings a string": (json.dumps({**TINY, "tie_word_embeddings": "yes"}),
+                                     ["tie_word_embeddings = 'yes'", "true or false"]),
+    "not an object": ("[1, 2]", ["config = 'list'", "a dict"]),
+    "empty file": ("", ["valid JSON"]),
+}
+
+
+@pytest.fixture
+def empty_cwd(tmp_path, monkeypatch):
+    """The test runs in an empty folder, which must stay empty."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    yield work
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", CONFIGS, ids=list(CONFIGS))
+def test_bad_configs(case, tmp_path, empty_cwd, capsys):
+    text, words = CONFIGS[case]
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    code = main(["estimate", "--config", str(path), "--batch", "1", "--seq", "8"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert err.startswith("symmem: error: ")
+    for w in words:
+        assert w in err, (w, err)
+    with pytest.raises(SymmemError) as e:                    # the same from Python
+        sm.models.from_hf_config(path)
+    assert all(w in str(e.value) for w in words)
+
+
+def test_a_sweep_larger_than_memory_streams(empty_cwd):
+    """10^8 x 1,024 rows (about 760 GiB as one array): the rows stream out as they are
+    computed, and a reader that stops early (| head) ends it quietly."""
+    cmd = [sys.executable, "-c", "from symmem.cli import main; raise SystemExit(main())",
+           "sweep", "--model", "gpt2", "--batch", "1:100000000", "--seq", "1:1024"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as p:
+        lines = [p.stdout.readline() for _ in range(3)]
+        p.stdout.close()                                     # the reader goes away
+        err = p.stderr.read()
+        code = p.wait(timeout=120)
+    assert lines[0].startswith("b,s,params,") and lines[1].startswith("1,1,") and lines[2].startswith("1,2,")
+    assert code == 0 and "Traceback" not in err
+
+
+def test_sweep_ranges_are_not_written_out():
+    from symmem.cli import _values
+    big = _values("1:1000000000000", "--batch")
+    assert isinstance(big, range) and len(big) == 10**12
+    with pytest.raises(ConfigError, match=r"--batch = '0:5' is not valid"):
+        _values("0:5", "--batch")
