@@ -213,9 +213,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _negative_values(argv: list[str]) -> list[str]:
+    """``--budget -5GB`` -> ``--budget=-5GB``: argparse takes a value that starts with "-"
+    (but is not a plain number) for an option and says "expected one argument"; joined,
+    the value reaches symmem's own check, which names it."""
+    out: list[str] = []
+    for tok in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and len(tok) > 1 \
+                and tok[0] == "-" and (tok[1].isdigit() or tok[1] == "."):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (argparse exits 2 itself on bad usage)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_negative_values(sys.argv[1:] if argv is None else list(argv)))
     try:
         return args.func(args)
     except SymmemError as e:
@@ -414,6 +428,10 @@ def _solution_json(sol, bud, est) -> dict:
     }
 
 
+#: The option that fixes a symbol; any other is fixed with --set NAME=VALUE.
+SHELL_FLAGS = {"b": "--batch B", "s": "--seq S"}
+
+
 def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
     from .errors import Infeasible
     from .solve import solve
@@ -422,6 +440,13 @@ def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
     bud = make_budget(gpu=args.gpu, bytes=args.budget, reserve=args.reserve)
     try:
         sol = solve(est, symbol, bud, direction=direction, **fixed)
+    except ConfigError as e:
+        if e.field != "values" or not isinstance(e.value, list):
+            raise
+        # the library's message names keyword arguments (s=...): say it with the shell's flags
+        flags = [SHELL_FLAGS.get(n, f"--set {n}=VALUE") for n in e.value]
+        raise ConfigError(flags[0].split()[0], None, f"a value: solving for {symbol} needs "
+                          f"{', '.join(e.value)} fixed", f"Pass {' and '.join(flags)}.") from None
     except Infeasible as e:
         if args.format == "json":
             print(json.dumps({"symbol": symbol, "direction": direction, "fixed": fixed,

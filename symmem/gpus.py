@@ -44,6 +44,9 @@ _UNITS: dict[str, int] = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+    # a bare letter (80G, as Java's -Xmx, Docker and free -h write memory): binary, and the
+    # budget's label says so
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50,
 }
 
 # A plain decimal number with an optional exponent. The exponent is capped at three
@@ -53,7 +56,7 @@ _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d{1,3})?"
 _SIZE_RE = re.compile(rf"^\s*(?P<number>{_NUMBER})\s*(?P<unit>[A-Za-z]*)\s*$", re.ASCII)
 _PERCENT_RE = re.compile(rf"^\s*(?P<number>{_NUMBER})\s*%\s*$", re.ASCII)
 
-_SIZE_FORMS = "80GiB, 80GB (10^9 bytes), 512MiB or a number of bytes"
+_SIZE_FORMS = "80GiB, 80GB (10^9 bytes), 80G (read as GiB), 512MiB or a number of bytes"
 _RESERVE_FORMS = ("a percentage like 10%, a size like 2GiB or 2GB (10^9 bytes), "
                   "a number of bytes, or 0 for no reserve")
 _PERCENT_FIX = "To set aside a fraction of the memory, write a percentage such as '10%'."
@@ -129,7 +132,7 @@ def parse_bytes(value, field: str = "budget") -> int:
     >>> parse_bytes("80 GiBs")
     Traceback (most recent call last):
     ...
-    symmem.errors.ConfigError: budget = '80 GiBs' is not valid: expected a size like 80GiB, 80GB (10^9 bytes), 512MiB or a number of bytes.
+    symmem.errors.ConfigError: budget = '80 GiBs' is not valid: expected a size like 80GiB, 80GB (10^9 bytes), 80G (read as GiB), 512MiB or a number of bytes.
     """
     return _size(value, field, allow_zero=False)
 
@@ -402,6 +405,14 @@ def as_budget(value, reserve=0) -> Budget:
     return budget(bytes=value, reserve=reserve)
 
 
+def _how_read(value) -> str:
+    """`` ('80G' read as 80 GiB)`` for a size written with a bare unit letter, else ''."""
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    unit = m.group("unit") if m else ""
+    return f" ({value.strip()!r} read as {m.group('number')} {unit.upper()}iB)" if len(unit) == 1 \
+        and unit.lower() != "b" else ""
+
+
 def budget(gpu=None, bytes=None, reserve=DEFAULT_RESERVE) -> Budget:
     """The memory budget of a GPU from :data:`CATALOG` or of a byte count, less a reserve.
 
@@ -427,6 +438,6 @@ def budget(gpu=None, bytes=None, reserve=DEFAULT_RESERVE) -> Budget:
     else:
         device = None
         total = parse_bytes(bytes, "budget")
-        source = f"{format_bytes(total)} budget"
+        source = f"{format_bytes(total)} budget{_how_read(bytes)}"
     amount = reserve_bytes(reserve, total)
     return Budget(total=total, reserve=amount, label=_label(source, reserve, amount), gpu=device)

@@ -360,3 +360,28 @@ def test_sweep_json_and_errors(capsys):
     assert code == 1 and "--batch = '1:x' is not valid: expected positive integers" in err
     code, out, err = run(capsys, "sweep", "--model", "gpt2", "--batch", "1", "--seq", "1000:2000")
     assert code == 1 and "s = 2000 is not valid: expected at most s_max = 1024" in err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["solve", "--model", "gpt2", "--for", "b", "--budget", "80GB"],
+     ["--seq = None", "solving for b needs s fixed", "Pass --seq S."]),
+    (["solve", "--model", "gpt2", "--for", "s", "--budget", "80GB"],
+     ["--batch = None", "solving for s needs b fixed", "Pass --batch B."]),
+    (["max-batch", "--model", "gpt2", "--seq", "1024", "--budget", "-5GB"],
+     ["budget = '-5GB'", "at least 1 byte"]),
+    (["max-batch", "--model", "gpt2", "--seq", "1024", "--budget", "80GB", "--reserve", "-3GB"],
+     ["reserve = '-3GB'", "0 or more bytes"]),
+], ids=["solve b without --seq", "solve s without --batch", "negative budget", "negative reserve"])
+def test_shell_errors_name_the_shell_flags(capsys, argv, words):
+    """Messages say what to type in the shell (--seq S), not the Python keyword (s=...); a
+    negative size reaches symmem's check instead of argparse's "expected one argument"."""
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and out == "" and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+    assert "s=..." not in err and "b=..." not in err
+
+
+def test_budget_with_a_bare_unit_letter(capsys):
+    code, out, err = run(capsys, "max-batch", "--model", "gpt2", "--seq", "1024", "--budget", "80G")
+    assert code == 0 and "budget: 80.00 GiB budget ('80G' read as 80 GiB) minus a 10% reserve" in out

@@ -11,7 +11,7 @@ from symmem.errors import ConfigError, SymmemError, UnknownName
 from symmem.gpus import (CATALOG, DEFAULT_RESERVE, GPU, Budget, budget, gpu, parse_bytes,
                          reserve_bytes)
 
-SIZE = "80GiB, 80GB (10^9 bytes), 512MiB or a number of bytes"
+SIZE = "80GiB, 80GB (10^9 bytes), 80G (read as GiB), 512MiB or a number of bytes"
 KNOWN = ("A100-40GB, A100-80GB, H100-80GB, H200, B200, MI300X, L4, T4, V100-16GB, V100-32GB, "
          "RTX-3090, RTX-4090")
 
@@ -72,7 +72,7 @@ def test_parse_bytes_numbers(value, expected):
 
 
 @pytest.mark.parametrize("value", [
-    "80 GiBs", "", "   ", "nan", "inf", "-inf", "80 G", "80g", "80 gigabytes", "1/2",
+    "80 GiBs", "", "   ", "nan", "inf", "-inf", "80 gigabytes", "1/2", "80 x",
     "80_000", "1,000", "0x10", "GiB", "80 GiB 2", "١٢", "1e9999",
     True, False, None, [80], {"GiB": 80}, float("nan"), float("inf"), Decimal("NaN"),
 ])
@@ -87,7 +87,16 @@ def test_parse_bytes_message_for_a_misspelled_unit_word_for_word():
     with pytest.raises(ConfigError) as e:
         parse_bytes("80 GiBs")
     assert str(e.value) == ("budget = '80 GiBs' is not valid: expected a size like 80GiB, "
-                            "80GB (10^9 bytes), 512MiB or a number of bytes.")
+                            "80GB (10^9 bytes), 80G (read as GiB), 512MiB or a number of bytes.")
+
+
+def test_a_bare_unit_letter_is_binary_and_the_label_says_so():
+    """80G is 80 GiB (as Java's -Xmx, Docker and free -h mean it); the budget says how it
+    read the size, since 80G could also mean 80 GB."""
+    assert parse_bytes("80G") == parse_bytes("80 g") == 80 * 2**30
+    assert parse_bytes("512M") == 512 * 2**20 and parse_bytes("2T") == 2 * 2**40
+    assert budget(bytes="80G", reserve=0).label == "80.00 GiB budget ('80G' read as 80 GiB) with no reserve"
+    assert "read as" not in budget(bytes="80GB", reserve=0).label
 
 
 @pytest.mark.parametrize("value", [0, -1, -80, "0", "-5GB", "0GiB", "0.5", "0.9B", 0.5,
