@@ -188,9 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "estimate, max-batch, solve, sweep and report take), with the\n"
                                      "names each accepts and what they mean.",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    pol.add_argument("--format", default="table", choices=("table", "json"), help="(default: %(default)s)")
     pol.set_defaults(func=cmd_policies)
     gp = sub.add_parser("gpus", help="list the GPU catalog",
                         description="List the GPUs --gpu accepts, with the capacity each reports.")
+    gp.add_argument("--format", default="table", choices=("table", "json"), help="(default: %(default)s)")
     gp.set_defaults(func=cmd_gpus)
 
     sw = sub.add_parser(
@@ -564,18 +566,27 @@ def _sweep_rows(bs, ss, fns, header, bar, fmt, out) -> None:
         out.write("]\n")
 
 
+def _policy_entries(part) -> list[tuple[str, str]]:
+    from .policy import RECOMPUTE
+    if part.field == "recompute":
+        return [(m.syntax, m.description) for m in RECOMPUTE.values()]
+    if part.registry is not None:
+        return [(e.name, e.description) for e in part.registry.values()]
+    return [("K", "a whole number >= 1 (1: no gradient accumulation)")]
+
+
 def cmd_policies(args) -> int:
     """Each policy part: its option and default, then its names with their meaning."""
-    from .policy import RECOMPUTE
+    if args.format == "json":
+        print(json.dumps({"parts": [
+            {"field": part.field, "option": part.option, "default": str(part.default), "help": part.help,
+             "names": [{"name": n, "description": d} for n, d in _policy_entries(part)]}
+            for part in PARTS]}, indent=2))
+        return 0
     for part in PARTS:
         print(textwrap.fill(f"{part.option} {part.metavar}  (default: {part.default}): {part.help}", WIDTH,
                             subsequent_indent="    ", break_on_hyphens=False))
-        if part.field == "recompute":
-            entries = [(m.syntax, m.description) for m in RECOMPUTE.values()]
-        elif part.registry is not None:
-            entries = [(e.name, e.description) for e in part.registry.values()]
-        else:
-            entries = [("K", "a whole number >= 1 (1: no gradient accumulation)")]
+        entries = _policy_entries(part)
         width = max(len(n) for n, _ in entries) + 4
         for name, text in entries:
             print(textwrap.fill(text, WIDTH, initial_indent=f"  {name:<{width}}",
@@ -585,6 +596,10 @@ def cmd_policies(args) -> int:
 
 
 def cmd_gpus(args) -> int:
+    if args.format == "json":
+        print(json.dumps({"gpus": [{"name": g.name, "memory_bytes": g.memory, "marketing": g.marketing,
+                                    "source": g.source} for g in CATALOG.values()]}, indent=2))
+        return 0
     print(f"{'name':<12}{'bytes':>18}{'GiB':>9}  marketing")
     for g in CATALOG.values():
         print(f"{g.name:<12}{g.memory:>18,}{g.memory / 2**30:>9.2f}  {g.marketing}")

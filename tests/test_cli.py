@@ -385,3 +385,19 @@ def test_shell_errors_name_the_shell_flags(capsys, argv, words):
 def test_budget_with_a_bare_unit_letter(capsys):
     code, out, err = run(capsys, "max-batch", "--model", "gpt2", "--seq", "1024", "--budget", "80G")
     assert code == 0 and "budget: 80.00 GiB budget ('80G' read as 80 GiB) minus a 10% reserve" in out
+
+
+def test_gpus_and_policies_as_json(capsys):
+    """``--format json`` for scripts: the catalog with exact bytes, every policy part with
+    its names (the same entries as the tables)."""
+    from symmem.gpus import CATALOG
+    from symmem.policy import PARTS
+    gpus = run_json(capsys, "gpus")["gpus"]
+    assert [g["name"] for g in gpus] == list(CATALOG)
+    assert gpus[0]["memory_bytes"] == CATALOG[gpus[0]["name"]].memory      # an exact integer
+    parts = run_json(capsys, "policies")["parts"]
+    assert [p["option"] for p in parts] == [p.option for p in PARTS]
+    recompute = next(p for p in parts if p["field"] == "recompute")
+    assert recompute["default"] == "none" and "every:K" in [n["name"] for n in recompute["names"]]
+    models = run_json(capsys, "models")["families"]
+    assert models[0]["name"] == "gpt2" and any(p["name"] == "gpt2-xl" for p in models[0]["presets"])
