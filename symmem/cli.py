@@ -327,34 +327,44 @@ def _wrap(text: str, indent: str = "  ") -> str:
                          break_on_hyphens=False)
 
 
+def _policy_line(policy: Policy) -> str:
+    """``policy: ...`` wrapped at spaces only ("for-loop", "micro-batches" stay whole)."""
+    return textwrap.fill(f"policy: {policy.describe()}", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def render_table(args, policy: Policy, r: dict) -> str:
     est, ev, j = r["est"], r["ev"], r["json"]
     source = f"config {args.config}" if args.config else "preset"
     dims = ", ".join(f"{k} = {v:,}" if isinstance(v, int) else f"{k} = {v}"
                      for k, v in j["bindings"].items() if not k.startswith("B_"))
     out = [f"symmem estimate: {est.graph.name} ({source}), {j['parameters']:,} parameters",
-           textwrap.fill(f"policy: {policy.describe()}", WIDTH, subsequent_indent="  "),
-           f"inputs: batch b = {args.batch:,}, seq s = {args.seq:,}; model {dims}",
+           _policy_line(policy),
+           textwrap.fill(f"inputs: batch b = {args.batch:,}, seq s = {args.seq:,}; model {dims}", WIDTH,
+                         subsequent_indent="  "),
            ""]
     if policy.accumulate > 1:
         out.insert(-1, f"  {policy.accumulate} micro-batches of b = {args.batch:,}: {j['batch_per_step']:,} "
                        f"sequences per optimizer step")
     w = 34
-    out.append(f"{'component':<{w}}{'bytes':>18}{'size':>14}")
+    # the columns as wide as their widest value (at least as before), so they never touch
+    values = [*ev.bytes.values(), *ev.peak_parts.values()]
+    wb = max(18, max(len(f"{v:,}") for v in values) + 2)
+    ws = max(14, max(len(format_bytes(v)) for v in values) + 2)
+    out.append(f"{'component':<{w}}{'bytes':>{wb}}{'size':>{ws}}")
     for k in COMPONENTS:
         v = ev.bytes[k]
         if k in ("master", "buffers") and not v:
             continue
         label = "activations (saved for backward)" if k == "activations" else k
-        out.append(f"{label:<{w}}{v:>18,}{format_bytes(v):>14}")
+        out.append(f"{label:<{w}}{v:>{wb},}{format_bytes(v):>{ws}}")
     out += ["", f"at the peak: {ev.peak_point.where}",
-            f"{'role':<{w}}{'bytes':>18}{'size':>14}{'% of total':>12}"]
+            f"{'role':<{w}}{'bytes':>{wb}}{'size':>{ws}}{'% of total':>12}"]
     for role in ROLES:
         v = ev.peak_parts[role]
         if role in ("master", "buffers") and not v and not ev.bytes[role]:
             continue
-        out.append(f"{role:<{w}}{v:>18,}{format_bytes(v):>14}{100 * v / ev.peak:>11.1f}%")
-    out.append(f"{'peak':<{w}}{ev.peak:>18,}{format_bytes(ev.peak):>14}{100.0:>11.1f}%")
+        out.append(f"{role:<{w}}{v:>{wb},}{format_bytes(v):>{ws}}{100 * v / ev.peak:>11.1f}%")
+    out.append(f"{'peak':<{w}}{ev.peak:>{wb},}{format_bytes(ev.peak):>{ws}}{100.0:>11.1f}%")
     bound = canonical(r["active"].xreplace(est.bindings))
     n = len(r["peak"].args)
     out += ["", f"peak formula (the largest at these inputs of the {n} candidates whose max is the peak):",
@@ -461,11 +471,11 @@ def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
         print(json.dumps(_solution_json(sol, bud, est), indent=2))
         return 0
     out = [f"symmem {args.command}: {est.graph.name}; {', '.join(f'{k} = {v:,}' for k, v in fixed.items())}",
-           textwrap.fill(f"policy: {policy.describe()}", WIDTH, subsequent_indent="  "),
+           _policy_line(policy),
            f"budget: {bud.label}", "",
            str(sol), "", f"breakdown at {symbol} = {sol.value:,}:", sol.at_value.table()]
     if sol.boundary_numeric is not None:
-        out.insert(-3, f"  with this model's numbers: {symbol} = {sol.boundary_numeric}")
+        out.insert(-3, _wrap(f"with this model's numbers: {symbol} = {sol.boundary_numeric}"))
     print("\n".join(out))
     return 0
 

@@ -66,14 +66,16 @@ class Evaluation:
         return self.bytes["peak"]
 
     def table(self) -> str:
-        rows = [f"{'component':<24}{'bytes':>20}{'':>14}{'% of peak':>11}"]
-        for role in ROLES:
-            v = self.peak_parts[role]
-            if v:
-                rows.append(f"{'at peak/' + role:<24}{v:>20,}{format_bytes(v):>14}{100 * v / self.peak:>10.1f}%")
-        rows.append(f"{'peak':<24}{self.peak:>20,}{format_bytes(self.peak):>14}{100.0:>10.1f}%")
-        rows.append(f"peak during {self.peak_point.where}")
-        return "\n".join(rows)
+        """The peak by role (the roles holding bytes then), with a header over every column;
+        the columns are as wide as their widest value, so huge counts never run together."""
+        rows = [(role, self.peak_parts[role]) for role in ROLES if self.peak_parts[role]]
+        rows.append(("peak", self.peak))
+        wb = max(len("bytes"), *(len(f"{v:,}") for _, v in rows)) + 2
+        ws = max(len("size"), *(len(format_bytes(v)) for _, v in rows)) + 2
+        lines = [f"{'at the peak':<13}{'bytes':>{wb}}{'size':>{ws}}{'% of peak':>11}"]
+        lines += [f"{role:<13}{v:>{wb},}{format_bytes(v):>{ws}}{100 * v / self.peak:>10.1f}%" for role, v in rows]
+        lines.append(f"peak during {self.peak_point.where}")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()

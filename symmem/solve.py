@@ -15,6 +15,8 @@ attention's ``a*b*s**2`` terms); the answer is its floor (or ceiling for ``"min"
 """
 from __future__ import annotations
 
+import textwrap
+
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -80,7 +82,9 @@ class Solution:
             lines.append(f"  binding: {self.binding.where}")
         if self.boundary is not None:
             lines.append(f"  boundary: {self.symbol} = {self.boundary}")
-        return "\n".join(lines)
+        # lines of at most 88 characters, broken at spaces (a formula at its + and - signs)
+        return "\n".join(textwrap.fill(line, 88, subsequent_indent="      ", break_on_hyphens=False,
+                                        break_long_words=False) for line in lines)
 
     def _repr_latex_(self) -> str:
         # "\max\, s" rather than s_{\max}, which is the name of the symbol s_max

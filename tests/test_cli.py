@@ -5,6 +5,7 @@ and errors (exit status, message, no traceback).
 test runs the installed console script."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -401,3 +402,21 @@ def test_gpus_and_policies_as_json(capsys):
     assert recompute["default"] == "none" and "every:K" in [n["name"] for n in recompute["names"]]
     models = run_json(capsys, "models")["families"]
     assert models[0]["name"] == "gpt2" and any(p["name"] == "gpt2-xl" for p in models[0]["presets"])
+
+
+def test_output_fits_88_columns_and_columns_stay_apart(capsys):
+    """No line over 88 characters (a boundary formula wraps at its signs), "for-loop" is not
+    broken at its hyphen, and bytes and sizes at 10^16 bytes and beyond stay apart, in TiB
+    and PiB rather than thousands of GiB."""
+    code, big, _ = run(capsys, "estimate", "--model", "gpt3-175b", "--batch", "100000", "--seq", "2048",
+                       "--implementation", "for-loop")
+    code2, mb, _ = run(capsys, "max-batch", "--model", "gpt2", "--seq", "1024", "--budget", "80GB",
+                       "--implementation", "for-loop", "--accumulate", "4")
+    assert code == code2 == 0
+    for out in (big, mb):
+        assert max(map(len, out.splitlines())) <= 88
+        assert "for-\n" not in out and "micro-\n" not in out
+    assert "PiB" in big and "TiB" in big and not re.search(r"\d,\d{3}\.\d\d GiB", big)
+    rows = [line for line in big.splitlines() if line.startswith(("activations", "peak  "))]
+    for row in rows:                        # label, bytes, size (and %) separated by 2+ spaces
+        assert len([c for c in row.split("  ") if c.strip()]) >= 3, row
