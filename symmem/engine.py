@@ -53,6 +53,22 @@ def _prune(points: list[Point]) -> list[Point]:
     return [points[i] for i in prune([p.total for p in points])]
 
 
+def _check_whole(names, arrays) -> None:
+    """Every value a whole number >= 1 (integers, or floats such as 2.0), else the
+    ConfigError that :meth:`Estimate.at` raises, for the first value that is not."""
+    import numpy as np
+    for name, x in zip(names, arrays):
+        if np.issubdtype(x.dtype, np.integer):
+            bad = np.flatnonzero(~(x >= 1))
+        elif np.issubdtype(x.dtype, np.floating):
+            bad = np.flatnonzero(~(np.isfinite(x) & (x == np.floor(x)) & (x >= 1)))
+        else:                                   # strings, booleans, complex numbers, objects
+            bad = [0]
+        if len(bad):
+            v = x.reshape(-1)[bad[0]]
+            raise ConfigError(name, v.item() if hasattr(v, "item") else v, "a positive integer")
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """Exact bytes at one configuration: components, the peak, and where it is."""
@@ -132,12 +148,17 @@ class Estimate:
             raise ConfigError("component", component, f"one of peak, {', '.join(self.components)}")
         return self.components[component]
 
-    def evaluator(self, *names: str, component: str = "peak"):
+    def evaluator(self, *names: str, component: str = "peak", check: bool = True):
         """A vectorised function of the named symbols (every other symbol takes the model's
         and the policy's bindings): ``f(b=array, s=array) -> array`` of bytes.
 
         The peak is the elementwise maximum of the compiled candidates (``numpy``). Byte
-        counts below 2**53 are exact in float64; integer inputs keep them integers."""
+        counts below 2**53 are exact in float64; integer inputs keep them integers.
+
+        The values are checked as :meth:`at` checks them: whole numbers >= 1 (2.0 is one)
+        and every requirement of the formulas (``s <= s_max``, ...); the first that fails
+        raises :class:`ConfigError` with its value. ``check=False`` evaluates the formula
+        anywhere, e.g. at fractional points for a finite difference."""
         import numpy as np
         syms = [symbol(n) for n in names]
         fixed = {k: v for k, v in self.bindings.items() if k not in syms}
@@ -153,11 +174,32 @@ class Estimate:
                                   f"Add them: evaluator({', '.join(repr(n) for n in names + tuple(missing))}).")
             fns.append(sp.lambdify(syms, e, "numpy"))
 
+        checks = self._vector_checks(syms, fixed) if check else []
+
         def f(**arrays):
             args = [np.asarray(arrays[n]) for n in names]
-            return np.maximum.reduce([np.broadcast_to(fn(*args), np.broadcast(*args).shape)
-                                      for fn in fns])
+            shape = np.broadcast(*args).shape
+            if check:
+                _check_whole(names, args)
+            for req, ok in checks:
+                good = np.broadcast_to(ok(*args), shape)
+                if not np.all(good):        # the first failing point, as at() words it
+                    i = np.unravel_index(int(np.flatnonzero(~good.reshape(-1))[0]), shape)
+                    raise req.broken({**fixed, **{x: sp.Integer(int(np.broadcast_to(v, shape)[i]))
+                                                  for x, v in zip(syms, args)}})
+            return np.maximum.reduce([np.broadcast_to(fn(*args), shape) for fn in fns])
         return f
+
+    def _vector_checks(self, syms, fixed) -> list:
+        """(requirement, numpy test) for each requirement that the named symbols decide."""
+        out = []
+        for req in self.requirements:
+            lhs, rhs = (sp.sympify(side).xreplace(fixed) for side in (req.lhs, req.rhs))
+            free = lhs.free_symbols | rhs.free_symbols
+            if free and free <= set(syms):
+                test = sp.Eq(sp.Mod(rhs, lhs), 0) if req.kind == "divides" else sp.Le(lhs, rhs)
+                out.append((req, sp.lambdify(syms, test, "numpy")))
+        return out
 
     def _subs(self, values: dict) -> dict:
         subs = dict(self.bindings)

@@ -47,7 +47,7 @@ def test_peak_is_max_of_undominated_points(est):
     rng = np.random.default_rng(1)
     f_all = [sp.lambdify([b, s], sp.expand(p.total).xreplace(est.bindings)) for p in est.timeline]
     f_peak = est.evaluator("b", "s")
-    bb, ss = rng.integers(1, 64, 200), rng.integers(1, 8192, 200)
+    bb, ss = rng.integers(1, 64, 200), rng.integers(1, 1025, 200)     # s <= s_max = 1024
     every = np.maximum.reduce([np.broadcast_to(f(bb, ss), bb.shape) for f in f_all])
     assert np.all(every == f_peak(b=bb, s=ss))
 
@@ -74,6 +74,30 @@ def test_evaluator_matches_exact(est):
     for bb, ss in [(1, 1), (8, 1024), (3, 777)]:
         assert int(f(b=bb, s=ss)) == est.at(b=bb, s=ss).peak
     assert f(b=np.array([1, 2]), s=np.array([1024, 1024])).shape == (2,)
+
+
+def test_evaluator_checks_values_as_at_does(est):
+    """The same errors as est.at: whole numbers >= 1 (2.0 is one), and the model's
+    requirements (s <= s_max = 1024 for gpt2), naming the first value that fails;
+    check=False evaluates anywhere (a finite difference needs fractional points)."""
+    from symmem.errors import ConfigError
+    f = est.evaluator("b", "s")
+    assert int(f(b=2.0, s=512)) == est.at(b=2, s=512).peak
+    for values, message in [({"b": -1, "s": 1024}, "b = -1 is not valid: expected a positive integer."),
+                            ({"b": 1.5, "s": 1024}, "b = 1.5 is not valid: expected a positive integer."),
+                            ({"b": np.array([1, 2]), "s": np.array([1, 0])}, "s = 0 is not valid"),
+                            ({"b": np.nan, "s": 8}, "b = nan is not valid"),
+                            ({"b": "x", "s": 8}, "b = 'x' is not valid")]:
+        with pytest.raises(ConfigError) as e:
+            f(**values)
+        assert str(e.value).startswith(message)
+    with pytest.raises(ConfigError) as e:
+        f(b=np.array([1, 2, 3]), s=np.array([512, 2048, 4096]))
+    with pytest.raises(ConfigError) as e_at:
+        est.at(b=2, s=2048)
+    assert str(e.value) == str(e_at.value)        # the first failing point, worded as est.at words it
+    loose = est.evaluator("b", "s", check=False)
+    assert loose(b=1.5, s=1024) > loose(b=1, s=1024)
 
 
 def test_evaluation_breakdown_adds_up(est):
