@@ -12,7 +12,7 @@ import difflib
 
 from .units import format_bytes
 
-__all__ = ["SymmemError", "ConfigError", "UnknownName", "ShapeError", "Infeasible"]
+__all__ = ["SymmemError", "ConfigError", "UnknownName", "ShapeError", "Infeasible", "SearchLimit"]
 
 
 class SymmemError(Exception):
@@ -74,3 +74,17 @@ class Infeasible(SymmemError):
             f"({format_bytes(needed)}, during {where}) but the budget allows {usable:,} bytes "
             f"({format_bytes(usable)}). It needs {needed - usable:,} bytes "
             f"({format_bytes(needed - usable)}) more: {hint}\n{breakdown}")
+
+
+class SearchLimit(SymmemError):
+    """The search for the largest ``symbol`` stopped at ``value`` (2^40 or the nearest value
+    the model allows), where the peak (``peak`` bytes) still fits ``usable``: the answer is
+    larger than the search goes, not unbounded."""
+
+    def __init__(self, symbol: str, value: int, peak: int, usable: int):
+        self.symbol, self.value, self.peak, self.usable = symbol, value, peak, usable
+        super().__init__(
+            f"the largest {symbol} is beyond the search: at {symbol} = {value:,} the peak is {peak:,} "
+            f"bytes ({format_bytes(peak)}), still within the {usable:,} usable bytes "
+            f"({format_bytes(usable)}). The search stops at {symbol} = 2^40; a budget this large "
+            f"is more than any {symbol} up to there needs.")

@@ -23,11 +23,11 @@ from fractions import Fraction
 import sympy as sp
 
 from .engine import Estimate, Evaluation, canonical
-from .errors import ConfigError, Infeasible
+from .errors import ConfigError, Infeasible, SearchLimit
 from .gpus import as_budget
 from .printing import format_bytes, html_escape, html_table, latex, mathml, values_text
 from .counter import Point
-from .symbols import M, R, symbol as lookup
+from .symbols import BYTE_SYMBOLS, DIMENSIONS, M, R, symbol as lookup
 
 __all__ = ["Solution", "solve", "max_batch", "max_seq", "frontier"]
 
@@ -49,6 +49,8 @@ class Solution:
     boundary_numeric: sp.Expr | None  # the same with the model's and fixed numbers, in M and R
     fixed: dict
     limit: str | None = None    # set when the model's own limit, not memory, stops the search
+    step: int | None = None     # the value one step past the answer (value +- 1, or the next
+                                # multiple or divisor the model allows); None: past_value's
 
     @property
     def usable(self) -> int:
@@ -73,7 +75,7 @@ class Solution:
                  f"({format_bytes(self.at_value.peak)}) <= usable {self.usable:,} "
                  f"({format_bytes(self.total)} - reserve {format_bytes(self.reserve)})"]
         if past is not None:
-            step = self.value + (1 if self.direction == "max" else -1)
+            step = self.step if self.step is not None else self.value + (1 if self.direction == "max" else -1)
             lines.append(f"  peak at {self.symbol} = {step:,}: {past.peak:,} bytes "
                          f"({format_bytes(past.peak)}) > usable")
         if self.limit:
@@ -100,7 +102,7 @@ class Solution:
                  f"{at.peak:,} bytes ({esc(format_bytes(at.peak))}) &le; usable {self.usable:,} "
                  f"({esc(format_bytes(self.total))} &minus; reserve {esc(format_bytes(self.reserve))})"]]
         if past is not None:
-            step = self.value + (1 if self.direction == "max" else -1)
+            step = self.step if self.step is not None else self.value + (1 if self.direction == "max" else -1)
             rows.append([f"peak at {esc(x)} = {step:,}",
                          f"{past.peak:,} bytes ({esc(format_bytes(past.peak))}) &gt; usable"])
         if self.limit:
@@ -159,10 +161,17 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=0, direction: str = "ma
     reserve), bytes or a string ("80GiB", "80GB"); ``reserve``: bytes, a string or a
     percentage of the budget ("10%").
 
-    Raises :class:`~symmem.errors.Infeasible` when no value fits."""
+    Only the values the model allows are answers: a multiple of ``a`` for ``h`` (the heads
+    split the hidden size evenly), a divisor of ``h`` for ``a``, at most ``s_max`` for
+    ``s``. A question without meaning is refused with :class:`ConfigError`: a byte price
+    or the budget itself, a symbol the peak does not depend on, a direction in which memory
+    does not move (the smallest ``b``: memory grows with ``b``). :class:`SearchLimit` says
+    when the search, not the formula, stopped (a budget beyond what ``symbol`` <= 2^40
+    reaches). Raises :class:`~symmem.errors.Infeasible` when no value fits."""
     if direction not in ("max", "min"):
         raise ConfigError("direction", direction, "'max' or 'min'")
     x = lookup(symbol)
+    _askable(est, x)
     if symbol in fixed:
         raise ConfigError(symbol, fixed[symbol], "not fixed: it is the symbol solved for")
     bud = as_budget(budget, reserve)
@@ -171,24 +180,86 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=0, direction: str = "ma
     subs = est._subs(fixed)
     subs.pop(x, None)
     peak = _Peak(est, x, subs)
-    cap, why = _cap(est, x, subs)
+    dom = _Domain(est, x, subs)
+    _moves(peak, dom, x, direction)
     if direction == "max":
-        value = _search_max(peak, usable, est, symbol, fixed, cap)
-        if value == cap and peak(cap + 1) <= usable:
+        k = _search_max(peak, dom, usable, est, symbol, fixed)
+        value = dom.value(k)
+        if k == dom.last:               # the model's own limit, not memory, ends the search
             at_value = est.at(**fixed, **{symbol: value})
             bind = est.points[peak.binding(value)]
             return Solution(symbol, direction, value, total, res, at_value, None, bind, None, None,
-                            dict(fixed), limit=why)
-        step = value + 1
+                            dict(fixed), limit=dom.why)
+        step = dom.value(k + 1) if dom.last is None or k < dom.last else None
     else:
-        value = _search_min(peak, usable, est, symbol, fixed)
-        step = value - 1 if value > 1 else None
+        k = _search_min(peak, dom, usable, est, symbol, fixed)
+        value = dom.value(k)
+        step = dom.value(k - 1) if k > 1 else None
     at_value = est.at(**fixed, **{symbol: value})
     past = est.at(**fixed, **{symbol: step}) if step is not None and not _beyond(est, fixed, symbol, step) else None
-    bind = est.points[peak.binding(step if step is not None else value)]
-    boundary, numeric = _boundary(bind, x, direction, value, subs, total, res)
+    bind = est.points[peak.binding(step if past is not None else value)]
+    # a closed form of the boundary where every integer is allowed (not multiples or divisors)
+    boundary, numeric = (_boundary(bind, x, direction, value, subs, total, res)
+                         if dom.step == 1 and dom.divisors is None else (None, None))
     return Solution(symbol, direction, value, total, res, at_value, past, bind, boundary, numeric,
-                    dict(fixed))
+                    dict(fixed), step=step)
+
+
+def _askable(est: Estimate, x) -> None:
+    """Refuse a symbol no memory question can be asked of."""
+    if x in BYTE_SYMBOLS:
+        raise ConfigError("symbol", str(x), "a dimension (b, s, h, a, L, V, ...), not a byte price",
+                          "Byte prices come from the precision (--precision, Policy(precision=...)).")
+    if x in (M, R):
+        raise ConfigError("symbol", str(x), "a dimension (b, s, h, a, L, V, ...), not the budget or the "
+                          "reserve", "Those are given (--budget, --reserve); ask for what fits in them.")
+    if not any(x in t.free_symbols for t in est.totals):
+        used = sorted({str(v) for t in est.totals for v in t.free_symbols if v in DIMENSIONS})
+        raise ConfigError("symbol", str(x), f"a symbol the peak of {est.graph.name} depends on: "
+                          f"{', '.join(used)}", f"Memory does not change with {x} in this model.")
+
+
+class _Domain:
+    """The values the model allows for ``x``, numbered k = 1, 2, ...: every integer, the
+    multiples of m (a ``divides`` requirement ``m | x``), or the divisors of n (``x | n``);
+    ``last`` is the largest k within an ``at most`` requirement (``s <= s_max``)."""
+
+    def __init__(self, est: Estimate, x, subs: dict):
+        self.step, self.divisors, self.last, self.why = 1, None, None, None
+        cap = None
+        for lhs, rhs, reason, kind in est.requirements:
+            lv, rv = sp.sympify(lhs).xreplace(subs), sp.sympify(rhs).xreplace(subs)
+            if kind == "divides" and rv == x and lv.is_Integer:
+                self.step = int(lv)
+            elif kind == "divides" and lv == x and rv.is_Integer:
+                n = int(rv)
+                self.divisors = [d for d in range(1, n + 1) if n % d == 0]
+                self.why = f"{x} divides {rhs} = {n}: {reason}"
+            elif kind == "at most" and lv == x and rv.is_Integer:
+                cap = int(rv)
+                self.why = f"{x} <= {rhs} = {cap}: {reason}"
+        if self.divisors is not None:
+            if cap is not None:
+                self.divisors = [d for d in self.divisors if d <= cap]
+            self.last = len(self.divisors)
+        elif cap is not None:
+            self.last = cap // self.step
+
+    def value(self, k: int) -> int:
+        return self.divisors[k - 1] if self.divisors is not None else self.step * k
+
+
+def _moves(peak: "_Peak", dom: _Domain, x, direction: str) -> None:
+    """Refuse a direction in which memory does not move: the largest value needs memory
+    that grows with x, the smallest memory that falls."""
+    far = dom.value(dom.last if dom.last is not None else LIMIT // dom.step)
+    first = dom.value(1)
+    if direction == "min" and peak(far) >= peak(first):
+        raise ConfigError("direction", "min", f"'max': memory does not fall as {x} grows, so the smallest "
+                          f"{x} that fits is {first} whenever any does", "Ask for the largest.")
+    if direction == "max" and peak(far) <= peak(first) and dom.last is None:
+        raise ConfigError("direction", "max", f"'min': memory does not grow with {x}, so every {x} fits "
+                          "once one does: there is no largest", "Ask for the smallest.")
 
 
 def _beyond(est, fixed, symbol, value) -> bool:
@@ -199,46 +270,42 @@ def _beyond(est, fixed, symbol, value) -> bool:
         return True
 
 
-def _cap(est: Estimate, x, subs) -> tuple[int | None, str | None]:
-    """The model's own upper limit on ``x`` (e.g. s <= s_max), if it has one."""
-    for lhs, rhs, reason, kind in est.requirements:
-        if lhs == x and kind == "at most":
-            v = rhs.xreplace(subs)
-            if v.is_number:
-                return int(v), f"{x} <= {rhs} = {int(v)}: {reason}"
-    return None, None
-
-
-def _search_max(peak: _Peak, usable: int, est, symbol, fixed, cap=None) -> int:
-    if peak(1) > usable:
-        _infeasible(est, symbol, 1, usable, fixed, "a larger device or budget, a smaller reserve, "
-                    "or less memory elsewhere (fix another symbol lower)")
-    if cap is not None and peak(cap) <= usable:
-        return cap
-    lo, hi = 1, 2 if cap is None else min(2, cap)
-    while peak(hi) <= usable:           # with a cap, peak(cap) does not fit: this ends
-        lo, hi = hi, hi * 2 if cap is None else min(hi * 2, cap)
-        if hi > LIMIT:
-            raise ConfigError(symbol, f"> {LIMIT}", "a bounded answer",
-                              f"The peak does not grow with {symbol} enough to reach the budget.")
-    while hi - lo > 1:          # peak(lo) fits, peak(hi) does not
+def _search_max(peak: "_Peak", dom: _Domain, usable: int, est, symbol, fixed) -> int:
+    """The largest k whose value fits (peak grows with k)."""
+    def fits(k):
+        return peak(dom.value(k)) <= usable
+    if not fits(1):
+        _infeasible(est, symbol, dom.value(1), usable, fixed, "a larger device or budget, a smaller "
+                    "reserve, or less memory elsewhere (fix another symbol lower)")
+    last = dom.last
+    if last is not None and fits(last):
+        return last
+    lo, hi = 1, 2 if last is None else min(2, last)
+    while fits(hi):                     # with a last k, that one does not fit: this ends
+        lo, hi = hi, hi * 2 if last is None else min(hi * 2, last)
+        if dom.value(hi) > LIMIT:
+            v = dom.value(lo)
+            raise SearchLimit(symbol, v, int(peak(v)), usable)
+    while hi - lo > 1:                  # lo fits, hi does not
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if peak(mid) <= usable else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 
-def _search_min(peak: _Peak, usable: int, est, symbol, fixed) -> int:
-    if peak(1) <= usable:
+def _search_min(peak: "_Peak", dom: _Domain, usable: int, est, symbol, fixed) -> int:
+    """The smallest k whose value fits (peak falls with k)."""
+    def fits(k):
+        return peak(dom.value(k)) <= usable
+    if fits(1):
         return 1
-    lo, hi = 1, 2
-    while peak(hi) > usable:
-        lo, hi = hi, hi * 2
-        if hi > LIMIT:
-            _infeasible(est, symbol, LIMIT, usable, fixed,
-                        f"the part of the peak that does not shrink with {symbol} is too large")
-    while hi - lo > 1:          # peak(lo) does not fit, peak(hi) fits
+    last = dom.last if dom.last is not None else LIMIT // dom.step
+    if not fits(last):
+        _infeasible(est, symbol, dom.value(last), usable, fixed,
+                    f"the part of the peak that does not shrink with {symbol} is too large")
+    lo, hi = 1, last                    # lo does not fit, hi fits
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if peak(mid) <= usable else (mid, hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi
 
 

@@ -153,7 +153,7 @@ def test_peak_elasticity_follows_the_peak_candidate(est):
 
 
 @pytest.mark.parametrize("x, point", [("b", {"b": 512, "s": 1024}), ("s", {"b": 8, "s": 1000}),
-                                      ("h", {"b": 4, "s": 512, "h": 4096})])
+                                      ("h", {"b": 4, "s": 512, "h": 4092})])   # h a multiple of a = 12
 def test_elasticity_matches_finite_difference(est, x, point):
     """d ln M / d ln x ~ (ln M(x*(1+eps)) - ln M(x*(1-eps))) / (ln(1+eps) - ln(1-eps))."""
     names = sorted(point)
@@ -296,11 +296,14 @@ def test_sweep_without_pandas(est, monkeypatch):
 
 
 def test_sweep_overrides_a_binding(est):
-    """h in the grid replaces the model's h = 768; the params column is 4*N(h)."""
-    cols = sc.sweep(est, b=[1], s=[128], h=[768, 1024])
+    """h in the grid replaces the model's h = 768; the params column is 4*N(h). A value the
+    model does not allow (h = 1024 is not a multiple of its 12 heads) is refused."""
+    cols = sc.sweep(est, b=[1], s=[128], h=[768, 1020])
     cols = {k: np.asarray(v) for k, v in dict(cols).items()}
-    n = sc.parameter_count(est.graph).xreplace({**est.bindings, h: 1024})
+    n = sc.parameter_count(est.graph).xreplace({**est.bindings, h: 1020})
     assert int(cols["params"][1]) == 4 * n
+    with pytest.raises(sm.ConfigError, match="h = 1024 is not valid: expected a multiple of 12"):
+        sc.sweep(est, b=[1], s=[128], h=[768, 1024])
 
 
 def test_sweep_rejects(est):

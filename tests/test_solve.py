@@ -169,3 +169,46 @@ def test_max_batch_equals_brute_force(problem):
 def test_monotone_in_budget(problem, more):
     est, model, seq, budget = problem
     assert max_batch(est, budget, s=seq, **model).value <= max_batch(est, budget + more, s=seq, **model).value
+
+
+def test_only_values_the_model_allows(gpt2):
+    """h must be a multiple of a (12 heads split it evenly), a a divisor of h = 768: the answer
+    and the proof's next value are such values, and a fixed h = 770 is refused as a config
+    with it is."""
+    sol = solve(gpt2, "h", "80GB", b=8, s=1024)
+    assert sol.value % 12 == 0 and sol.step == sol.value + 12
+    assert sol.at_value.peak <= sol.usable < sol.past_value.peak
+    assert sol.boundary is None                  # no closed form over multiples only
+    sol_a = solve(gpt2, "a", "80GB", b=8, s=1024)
+    divisors = [d for d in range(1, 769) if 768 % d == 0]
+    assert 768 % sol_a.value == 0 and sol_a.step == divisors[divisors.index(sol_a.value) + 1]
+    assert sol_a.at_value.peak <= sol_a.usable < sol_a.past_value.peak
+    with pytest.raises(ConfigError, match=r"^h = 770 is not valid: expected a multiple of 12: the attention "
+                                          r"heads split the hidden size evenly\.$"):
+        max_batch(gpt2, "80GB", s=1024, h=770)
+
+
+@pytest.mark.parametrize("symbol,direction,fixed,message", [
+    ("B_a", "max", {"b": 8, "s": 1024}, "symbol = 'B_a' is not valid: expected a dimension (b, s, h, a, L, V, "
+                                        "...), not a byte price."),
+    ("M", "max", {"b": 8, "s": 1024}, "symbol = 'M' is not valid: expected a dimension (b, s, h, a, L, V, "
+                                      "...), not the budget or the reserve."),
+    ("g", "min", {"b": 8, "s": 1024}, "symbol = 'g' is not valid: expected a symbol the peak of gpt2 "
+                                      "depends on: L, V, a, b, h, s, s_max."),
+    ("b", "min", {"s": 1024}, "direction = 'min' is not valid: expected 'max': memory does not fall as b "
+                              "grows, so the smallest b that fits is 1 whenever any does. Ask for the largest."),
+])
+def test_questions_without_meaning_are_refused(gpt2, symbol, direction, fixed, message):
+    with pytest.raises(ConfigError) as e:
+        solve(gpt2, symbol, "80GB", direction=direction, **fixed)
+    assert str(e.value).startswith(message)
+
+
+def test_the_search_limit_is_not_the_formula(gpt2):
+    """A budget of 10^30 bytes: at b = 2^40 the peak still fits, and the error says that the
+    search stopped there (not that memory does not grow with b)."""
+    from symmem.errors import SearchLimit
+    with pytest.raises(SearchLimit) as e:
+        max_batch(gpt2, 10**30, s=1024)
+    assert e.value.value == 2**40 and e.value.peak <= e.value.usable == 10**30
+    assert str(e.value).startswith("the largest b is beyond the search: at b = 1,099,511,627,776 the peak")

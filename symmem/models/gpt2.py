@@ -95,6 +95,7 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
     ffn = f if cfg.n_inner is not None else 4 * h
     act = ACTIVATIONS[cfg.activation_function]
     g.require(s, s_max, "the sequence length cannot exceed n_positions, the rows of the position embedding")
+    g.require(a, h, "the attention heads split the hidden size evenly", kind="divides")
     ids = g.input("input_ids", (b, s))
     wte = g.param("wte.weight", (V, h))
     wpe = g.param("wpe.weight", (s_max, h))
