@@ -24,29 +24,29 @@ def best(fn, repeat=3):
 
 def main():
     policy = sm.Policy("bf16-mixed", "adamw", "cuda")
-    print(f"{'task':<58}{'time':>12}{'answer':>14}")
+    print(f"{'task':<64}{'time':>12}{'answer':>14}")
     for name in ("gpt2", "gpt3-175b"):
         est = sm.estimate(sm.models.preset(name), policy)
         budget = "80GiB" if name == "gpt2" else "8TiB"
         t, sol = best(lambda: max_batch(est, budget, reserve="10%", s=1024))
-        print(f"{f'{name}: max batch, s=1024, {budget} - 10%':<58}{t * 1e3:>10.1f}ms{sol.value:>14,}")
+        print(f"{f'{name}: max batch, s=1024, {budget} - 10%':<64}{t * 1e3:>10.1f}ms{sol.value:>14,}")
         seq_budget, bb = ("16GiB", 8) if name == "gpt2" else ("3.5TiB", 8)
-        t, sol = best(lambda: max_seq(est, seq_budget, b=bb))
+        t, sol = best(lambda: max_seq(est, seq_budget, b=bb, reserve=0))
         kind = "quadratic boundary" if sol.limit is None else "the model's limit"
-        print(f"{f'{name}: max sequence, b={bb}, {seq_budget} ({kind})':<58}{t * 1e3:>10.1f}ms{sol.value:>14,}")
-        t, sol = best(lambda: solve(est, "L", budget, b=1, s=1024))
-        print(f"{f'{name}: max layers, b=1, s=1024':<58}{t * 1e3:>10.1f}ms{sol.value:>14,}")
+        print(f"{f'{name}: max sequence, b={bb}, {seq_budget} - 0 ({kind})':<64}{t * 1e3:>10.1f}ms{sol.value:>14,}")
+        t, sol = best(lambda: solve(est, "L", budget, b=1, s=1024, reserve=0))
+        print(f"{f'{name}: max layers, b=1, s=1024, {budget} - 0':<64}{t * 1e3:>10.1f}ms{sol.value:>14,}")
 
     est = sm.estimate(sm.models.preset("gpt2"), policy)
     t_compile, f = best(lambda: est.evaluator("b", "s"), 1)
     b, s = np.meshgrid(np.arange(1, 1001), np.arange(1, 1001), indexing="ij")   # 10^6 points
     t_eval, peaks = best(lambda: f(b=b, s=s))
     assert int(peaks[7, 999]) == est.at(b=8, s=1000).peak
-    print(f"{f'gpt2: compile the peak ({len(est.points)} candidates)':<58}{t_compile * 1e3:>10.1f}ms")
-    print(f"{'gpt2: evaluate the peak at 10^6 (b, s) points':<58}{t_eval * 1e3:>10.1f}ms"
+    print(f"{f'gpt2: compile the peak ({len(est.points)} candidates)':<64}{t_compile * 1e3:>10.1f}ms")
+    print(f"{'gpt2: evaluate the peak at 10^6 (b, s) points':<64}{t_eval * 1e3:>10.1f}ms"
           f"{t_eval / b.size * 1e9:>11.0f}ns/pt")
     t_sweep, table = best(lambda: sweep(est, b=list(range(1, 1001)), s=list(range(1, 1001))), 1)
-    print(f"{'gpt2: scaling.sweep, every component, 10^6 points':<58}{t_sweep * 1e3:>10.1f}ms"
+    print(f"{'gpt2: scaling.sweep, every component, 10^6 points':<64}{t_sweep * 1e3:>10.1f}ms"
           f"{t_sweep / b.size * 1e9:>11.0f}ns/pt")
 
 

@@ -390,19 +390,25 @@ class Budget:
 _EXACTLY_ONE = "exactly one of gpu (a GPU name) or bytes (a size like 80GiB)"
 
 
-def as_budget(value, reserve=0) -> Budget:
-    """A :class:`Budget` from a Budget (as it is: it carries its own reserve), a byte count
-    or a size string (less ``reserve``): what the solvers and plots accept.
+def as_budget(value, reserve=None) -> Budget:
+    """A :class:`Budget` from a Budget or a size (a byte count or a string): what the solvers
+    and plots accept. The one rule of the reserve: a size gets :data:`DEFAULT_RESERVE` (10%)
+    unless ``reserve`` is given (``0`` for none); a Budget keeps its own reserve unless
+    ``reserve`` is given, which then replaces it (a percentage of the Budget's total).
 
-    >>> as_budget("1GiB", reserve="25%").usable
-    805306368
+    >>> as_budget("1GiB").reserve, as_budget("1GiB", reserve="25%").usable
+    (107374182, 805306368)
+    >>> as_budget(budget(gpu="T4"), reserve=0).label
+    'T4 (14.76 GiB) with no reserve'
     """
     if isinstance(value, Budget):
-        if reserve not in (0, "0", None):
-            raise ConfigError("reserve", reserve, "0 (the default) with a Budget",
-                              "A Budget carries its own reserve: build it with budget(..., reserve=...).")
-        return value
-    return budget(bytes=value, reserve=reserve)
+        if reserve is None:
+            return value
+        amount = reserve_bytes(reserve, value.total)
+        source = (f"{value.gpu.name} ({format_bytes(value.total)})" if value.gpu is not None
+                  else f"{format_bytes(value.total)} budget")
+        return Budget(total=value.total, reserve=amount, label=_label(source, reserve, amount), gpu=value.gpu)
+    return budget(bytes=value, reserve=DEFAULT_RESERVE if reserve is None else reserve)
 
 
 def _how_read(value) -> str:

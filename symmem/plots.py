@@ -230,7 +230,7 @@ def _budget(budget, reserve) -> tuple[int, int, str]:
     return bud.total, bud.reserve, f"{name}{format_bytes(bud.total)}"
 
 
-def versus(est: Estimate, symbol: str, values, budget=None, reserve=0, *, ax=None, **fixed):
+def versus(est: Estimate, symbol: str, values, budget=None, reserve=None, *, ax=None, **fixed):
     """The peak and each component (GiB) against ``symbol`` (``"b"`` or ``"s"``, or any
     other symbol of the model) at ``values``, every other symbol fixed by ``fixed`` or by
     the model's bindings, evaluated with ``est.evaluator``.

@@ -334,8 +334,7 @@ def sweep(est: Estimate, **grid):
         raise ConfigError("grid", sorted(names), f"values for every symbol the model does not bind "
                           f"(missing: {', '.join(missing)})",
                           f"Add them, e.g. sweep(est, {', '.join(f'{n}=[...]' for n in names + missing)}).")
-    _check_requirements(est, names, point)
-
+    # est.evaluator checks every point against the model's requirements (s <= s_max, a | h)
     columns = {n: point[n] for n in names}
     for c in est.components:
         columns[c] = _whole(est.evaluator(*names, component=c)(**point), c)
@@ -358,29 +357,3 @@ def _whole(values, name) -> np.ndarray:
         raise ConfigError(name, float(np.max(v)), "bytes below 2**62 (int64 arithmetic)",
                           "Sweep smaller values.")
     return v.astype(np.int64)
-
-
-def _check_requirements(est: Estimate, names, point: dict) -> None:
-    """Every grid point must satisfy the model's requirements (e.g. ``s <= s_max``)."""
-    syms = [symbol(n) for n in names]
-    fixed = {k: v for k, v in est.bindings.items() if k not in syms}
-    for req in est.requirements:
-        lhs, rhs, reason, kind = req
-        if kind != "at most":        # divisibility: checked point by point
-            for i in range(point[names[0]].size):
-                err = req.broken({**fixed, **{x: sp.Integer(int(point[x.name].flat[i])) for x in syms}})
-                if err is not None:
-                    raise err
-            continue
-        d = (lhs - rhs).xreplace(fixed)
-        if d.free_symbols - set(syms):
-            continue
-        bad = np.broadcast_to(sp.lambdify(syms, d, "numpy")(*(point[n] for n in names)),
-                              point[names[0]].shape) > 0
-        if bad.any():
-            i = int(np.argmax(bad))
-            here = {**fixed, **{x: sp.Integer(int(point[x.name][i])) for x in syms}}
-            at = ", ".join(f"{n}={int(point[n][i])}" for n in names)
-            raise ConfigError(str(lhs), int(lhs.xreplace(here)),
-                              f"at most {rhs} = {rhs.xreplace(here)} at every grid point "
-                              f"({at} fails): {reason}")

@@ -153,13 +153,14 @@ class _Peak:
         return max(range(len(self.fns)), key=lambda i: self.fns[i](v))
 
 
-def solve(est: Estimate, symbol: str, budget, *, reserve=0, direction: str = "max",
+def solve(est: Estimate, symbol: str, budget, *, reserve=None, direction: str = "max",
           **fixed) -> Solution:
     """The largest (``direction="max"``) or smallest (``"min"``) integer value of ``symbol``
     whose peak fits ``budget - reserve`` bytes, every other symbol fixed by ``fixed`` or by
-    the model's bindings. ``budget``: a :class:`~symmem.gpus.Budget` (it carries its
-    reserve), bytes or a string ("80GiB", "80GB"); ``reserve``: bytes, a string or a
-    percentage of the budget ("10%").
+    the model's bindings. ``budget``: a :class:`~symmem.gpus.Budget` or a size (bytes, or
+    "80GiB", "80GB"). ``reserve`` follows symmem's one rule (:data:`~symmem.gpus.DEFAULT_RESERVE`):
+    a size gets a 10% reserve unless ``reserve`` says otherwise (bytes, a size, a percentage,
+    0 for none); a Budget keeps its own unless ``reserve`` replaces it.
 
     Only the values the model allows are answers: a multiple of ``a`` for ``h`` (the heads
     split the hidden size evenly), a divisor of ``h`` for ``a``, at most ``s_max`` for
@@ -347,18 +348,18 @@ def _boundary(point: Point, x, direction, value, subs, total, res):
     return None, None
 
 
-def max_batch(est: Estimate, budget, *, reserve=0, **fixed) -> Solution:
+def max_batch(est: Estimate, budget, *, reserve=None, **fixed) -> Solution:
     """The largest micro-batch ``b`` that fits (``s`` and anything unbound in ``fixed``)."""
     return solve(est, "b", budget, reserve=reserve, direction="max", **fixed)
 
 
-def max_seq(est: Estimate, budget, *, reserve=0, **fixed) -> Solution:
+def max_seq(est: Estimate, budget, *, reserve=None, **fixed) -> Solution:
     """The longest sequence ``s`` that fits (``b`` in ``fixed``), within the model's limits."""
     sol = solve(est, "s", budget, reserve=reserve, direction="max", **fixed)
     return sol
 
 
-def frontier(est: Estimate, budget, over: str, values, *, solve_for: str = "b", reserve=0,
+def frontier(est: Estimate, budget, over: str, values, *, solve_for: str = "b", reserve=None,
              **fixed) -> list[tuple[int, int | None]]:
     """The feasible region's edge: for each value of ``over`` (e.g. ``s``), the largest
     ``solve_for`` (e.g. ``b``) that fits, or None where nothing fits."""

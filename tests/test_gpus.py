@@ -412,5 +412,7 @@ def test_as_budget():
     assert gpus.as_budget("1GiB", reserve="25%").usable == 1_073_741_824 - 268_435_456
     h100 = budget(gpu="H100-80GB")
     assert gpus.as_budget(h100) is h100
-    with pytest.raises(ConfigError, match="reserve = '5%' is not valid: expected 0 .* carries its own reserve"):
-        gpus.as_budget(h100, reserve="5%")
+    five = gpus.as_budget(h100, reserve="5%")        # a reserve given replaces the Budget's own
+    assert (five.total, five.reserve) == (h100.total, h100.total * 5 // 100) and five.gpu is h100.gpu
+    assert five.label.endswith("minus a 5% reserve (3.96 GiB)") and five.label.startswith("H100-80GB")
+    assert gpus.as_budget("1GiB").reserve == 1_073_741_824 // 10         # a size: the default 10%

@@ -121,8 +121,8 @@ def test_versus_sequence_with_a_gpu_budget(mpl, est):
     sol = solve(est, "s", bud.total, reserve=bud.reserve, b=4)
     (m,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("s_max = ")]
     assert m.get_xdata()[0] == sol.value == 1024 and "model limit" in m.get_label()
-    with pytest.raises(ConfigError):                 # a Budget carries its own reserve
-        plots.versus(est, "s", [64], budget=bud, reserve="5%", b=4)
+    with pytest.raises(ConfigError, match="reserve = '200%' is not valid"):
+        plots.versus(est, "s", [64], budget=bud, reserve="200%", b=4)
 
 
 def test_versus_without_budget_and_when_nothing_fits(mpl, est):

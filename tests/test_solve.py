@@ -39,15 +39,26 @@ def test_max_batch_with_proof(gpt2):
     bound = {**gpt2.bindings, s: 1024}
     assert c1.xreplace(bound) == c1_bytes_per_sequence(gpt2)
     assert sp.expand(sol.boundary.args[0] - (M - R - c0) / c1) == 0
-    assert max_seq(gpt2, "16GiB", b=8).linear_terms() is None   # quadratic in s
+    assert max_seq(gpt2, "16GiB", b=8, reserve=0).linear_terms() is None   # quadratic in s
 
 
 def test_quadratic_boundary_in_s(gpt2):
     """Explicit attention saves a*b*s^2 terms: the boundary in s is a root of a quadratic."""
-    sol = max_seq(gpt2, "16GiB", b=8)
+    sol = max_seq(gpt2, "16GiB", b=8, reserve=0)
     assert sol.at_value.peak <= 16 * GiB < sol.past_value.peak
     assert any(isinstance(x, sp.Pow) and x.exp == sp.Rational(1, 2) for x in sp.preorder_traversal(sol.boundary))
     assert sol.boundary_numeric.xreplace({M: 16 * GiB, R: 0}) == sol.value
+
+
+def test_a_size_gets_the_default_reserve(gpt2):
+    """One rule (symmem.gpus.DEFAULT_RESERVE): a size passed to a solver gets a 10% reserve
+    unless reserve= says otherwise; a Budget keeps its own unless reserve= replaces it."""
+    # 16 GiB = 17,179,869,184 bytes; 10% = 1,717,986,918 (rounded down)
+    assert max_seq(gpt2, "16GiB", b=8).reserve == 1_717_986_918
+    assert max_seq(gpt2, "16GiB", b=8).value <= max_seq(gpt2, "16GiB", b=8, reserve=0).value
+    t4 = sm.gpus.budget(gpu="T4")
+    assert max_batch(gpt2, t4, s=512).reserve == t4.reserve
+    assert max_batch(gpt2, t4, s=512, reserve=0).reserve == 0
 
 
 def test_sequence_limited_by_the_model(gpt2):
@@ -58,7 +69,7 @@ def test_sequence_limited_by_the_model(gpt2):
 
 def test_infeasible_shows_the_breakdown(gpt2):
     with pytest.raises(Infeasible) as e:
-        max_batch(gpt2, "1GiB", s=1024)
+        max_batch(gpt2, "1GiB", s=1024, reserve=0)
     err = e.value
     assert err.symbol == "b" and err.value == 1 and err.usable == GiB
     assert err.needed == gpt2.at(b=1, s=1024).peak
@@ -70,7 +81,7 @@ def test_infeasible_shows_the_breakdown(gpt2):
 
 
 def test_other_symbols(gpt2):
-    sol = solve(gpt2, "L", "80GiB", b=8, s=1024)
+    sol = solve(gpt2, "L", "80GiB", b=8, s=1024, reserve=0)
     assert gpt2.at(b=8, s=1024, L=sol.value).peak <= 80 * GiB < gpt2.at(b=8, s=1024, L=sol.value + 1).peak
     with pytest.raises(ConfigError, match="b = 8 is not valid: expected not fixed"):
         solve(gpt2, "b", "80GiB", b=8, s=1024)
@@ -151,7 +162,7 @@ def problems(draw):
 @given(problems())
 def test_max_batch_equals_brute_force(problem):
     est, model, seq, budget = problem
-    sol = max_batch(est, budget, s=seq, **model)
+    sol = max_batch(est, budget, s=seq, reserve=0, **model)
     f = est.evaluator("b", "s", "a", "h", "L", "V", "s_max")
     bs = np.arange(1, 2000)
     peaks = f(b=bs, s=seq, **model)
@@ -168,7 +179,8 @@ def test_max_batch_equals_brute_force(problem):
 @given(problems(), st.integers(1, 10**9))
 def test_monotone_in_budget(problem, more):
     est, model, seq, budget = problem
-    assert max_batch(est, budget, s=seq, **model).value <= max_batch(est, budget + more, s=seq, **model).value
+    assert max_batch(est, budget, s=seq, reserve=0, **model).value <= max_batch(est, budget + more, s=seq, reserve=0,
+                                                                        **model).value
 
 
 def test_only_values_the_model_allows(gpt2):
@@ -209,6 +221,6 @@ def test_the_search_limit_is_not_the_formula(gpt2):
     search stopped there (not that memory does not grow with b)."""
     from symmem.errors import SearchLimit
     with pytest.raises(SearchLimit) as e:
-        max_batch(gpt2, 10**30, s=1024)
+        max_batch(gpt2, 10**30, s=1024, reserve=0)
     assert e.value.value == 2**40 and e.value.peak <= e.value.usable == 10**30
     assert str(e.value).startswith("the largest b is beyond the search: at b = 1,099,511,627,776 the peak")
