@@ -284,8 +284,9 @@ def _report(args, policy: Policy) -> dict:
     ev = est.at(b=args.batch, s=args.seq)
     point = ev.peak_point
     peak, active = est.peak, canonical(point.total)
+    regions = est.regions()
     return {
-        "est": est, "ev": ev, "peak": peak, "active": active,
+        "est": est, "ev": ev, "peak": peak, "active": active, "regions": regions,
         "json": {
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
@@ -299,6 +300,9 @@ def _report(args, policy: Policy) -> dict:
             "peak_iteration": point.iteration or None,
             "peak_where": point.where,
             "peak_breakdown": dict(ev.peak_parts),
+            "peak_regions": [{"where": reg.point.where, "share": round(reg.share, 4), "b": list(reg.b),
+                              "s": list(reg.s), "bs": list(reg.bs), "formula": str(canonical(reg.point.total))}
+                             for reg in regions],
             "components": {k: str(v) for k, v in est.components.items()},
             "formula": {
                 "peak": str(peak),
@@ -371,7 +375,9 @@ def render_table(args, policy: Policy, r: dict) -> str:
             _wrap(str(r["active"])),
             "with this model's numbers and the policy's bytes per element:",
             _wrap(f"{bound}"),
-            f"(all {n} candidates: --format json or --format latex)"]
+            f"(all {n} candidates: --format json or --format latex)", "",
+            "where each candidate is the peak (b up to 65,536, s up to s_max, a log grid):"]
+    out += [_wrap(str(reg)) for reg in r["regions"]]
     return "\n".join(out)
 
 
@@ -730,6 +736,9 @@ def _add_report_commands(sub) -> None:
     _model_options(fm)
     fm.add_argument("--component", default="peak", metavar="NAME",
                     help=f"{' | '.join(FORMULA_COMPONENTS)} (default: %(default)s)")
+    fm.add_argument("--all", action="store_true",
+                    help="the peak as the max of every candidate (by default: of those that are the "
+                         "largest somewhere on b <= 65,536, s <= s_max, listed on stderr)")
     fm.add_argument("--format", default="latex", choices=("latex", "sympy"),
                     help="latex (one line, parses back) or sympy (str(expr), for "
                          "sympy.sympify) (default: %(default)s)")
@@ -811,6 +820,14 @@ def cmd_formula(args) -> int:
     policy = _policy(args)
     est = _load(args, policy)
     expr = est.formula(args.component)
+    if args.component == "peak" and not args.all:
+        regions = est.regions()
+        expr = sp.Max(*(canonical(r.point.total) for r in regions), evaluate=False) if len(regions) > 1 \
+            else canonical(regions[0].point.total)
+        print(f"symmem: the {len(regions)} of {len(est.points)} candidates of the peak that bind somewhere "
+              f"on b <= 65,536, s <= s_max (--all: every one):", file=sys.stderr)
+        for r in regions:
+            print(f"  {r}", file=sys.stderr)
     print(latex(expr) if args.format == "latex" else str(expr))
     return 0
 

@@ -25,7 +25,7 @@ from .printing import (format_bytes, html_escape, html_table, latex, mathml, tex
                        tex_values, values_text)
 from .symbols import L, b, s, symbol
 
-__all__ = ["estimate", "Estimate", "Evaluation", "canonical", "provably_nonneg"]
+__all__ = ["estimate", "Estimate", "Evaluation", "Region", "canonical", "provably_nonneg"]
 
 COMPONENTS = ("params", "buffers", "grads", "master", "optimizer", "activations")
 
@@ -115,6 +115,21 @@ class Evaluation:
         p.text("Evaluation(...)" if cycle else self.table())
 
 
+@dataclass(frozen=True)
+class Region:
+    """Where one candidate of the peak binds on :meth:`Estimate.regions`' grid: its share of
+    the grid's points and the ranges of b, s and b*s over them."""
+    point: Point
+    share: float
+    b: tuple            # (smallest, largest) b where it binds on the grid
+    s: tuple
+    bs: tuple           # (smallest, largest) b*s
+
+    def __str__(self) -> str:
+        return (f"{self.point.where}: the peak at {100 * self.share:.0f}% of the grid, b*s from "
+                f"{self.bs[0]:,} to {self.bs[1]:,} (b {self.b[0]:,}-{self.b[1]:,}, s {self.s[0]:,}-{self.s[1]:,})")
+
+
 class Estimate:
     """The memory of one training step of ``graph`` under ``policy``, as formulas."""
 
@@ -140,6 +155,29 @@ class Estimate:
     def timeline(self) -> list[Point]:
         """Every point of the step, in order (before pruning)."""
         return list(self._timeline.points)
+
+    def regions(self, b_max: int = 2**16, points: int = 65) -> tuple["Region", ...]:
+        """Which candidate of the peak binds where: the peak's candidates evaluated with the
+        model's and the policy's numbers on a grid of ``points`` x ``points`` (b, s), each
+        axis log-spaced from 1 to ``b_max`` and to ``s_max`` (``b_max`` where the model has
+        no s_max). The candidates that are the largest somewhere on it, most points first;
+        the others never bind there (:attr:`peak` keeps them all). The grid is a sample, not
+        a proof: between its points another candidate can lead by a few bytes."""
+        import numpy as np
+        from .symbols import s_max
+        top = int(self.bindings.get(s_max, b_max))
+        axis = [np.unique(np.round(np.logspace(0, np.log2(n), points, base=2)).astype(np.int64)) for n in (b_max, top)]
+        grid_b, grid_s = np.meshgrid(*axis, indexing="ij")
+        f = [sp.lambdify([b, s], t.xreplace(self.bindings), "numpy") for t in self.totals]
+        values = np.array([np.broadcast_to(fn(grid_b, grid_s), grid_b.shape).astype(float) for fn in f])
+        win = values.argmax(axis=0)
+        out = []
+        for i in np.unique(win):
+            m = win == i
+            bs = grid_b[m] * grid_s[m]
+            out.append(Region(self.points[i], float(m.mean()), (int(grid_b[m].min()), int(grid_b[m].max())),
+                              (int(grid_s[m].min()), int(grid_s[m].max())), (int(bs.min()), int(bs.max()))))
+        return tuple(sorted(out, key=lambda r: -r.share))
 
     def formula(self, component: str = "peak") -> sp.Expr:
         if component == "peak":

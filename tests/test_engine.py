@@ -100,6 +100,20 @@ def test_evaluator_checks_values_as_at_does(est):
     assert loose(b=1.5, s=1024) > loose(b=1, s=1024)
 
 
+def test_regions_say_which_candidate_binds_where(est):
+    """gpt2, bf16-mixed AdamW on CUDA: the log-softmax's backward binds for large b*s, the
+    optimizer step (model states and Adam's foreach temporaries) for small: each is the
+    exact peak at a point of its region, and the shares add up to 1."""
+    regions = est.regions()
+    assert [r.point.where for r in regions] == ["backward log_softmax", "optimizer all parameters"]
+    assert abs(sum(r.share for r in regions) - 1) < 1e-9
+    low, high = regions[1], regions[0]
+    at = {**est.bindings, b: 1, s: 1}
+    assert int(low.point.total.xreplace(at)) == est.at(b=1, s=1).peak           # b = s = 1: the optimizer
+    assert int(high.point.total.xreplace({**at, b: 8, s: 1024})) == est.at(b=8, s=1024).peak
+    assert str(high).startswith("backward log_softmax: the peak at")
+
+
 def test_evaluation_breakdown_adds_up(est):
     ev = est.at(b=8, s=1024)
     assert sum(ev.peak_parts.values()) == ev.peak

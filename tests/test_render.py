@@ -449,11 +449,17 @@ def test_cli_formula_latex_and_sympy(capsys, ests):
                        "--component", "activations", "--format", "sympy")
     assert code == 0 and sp.expand(sp.sympify(out, locals=names) - est.components["activations"]) == 0
     code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed",
-                       "--format", "sympy")
+                       "--format", "sympy", "--all")
     # sympify reads the peak back; an evaluated Max of 36 candidates takes sympy ~8 s to
     # compare them, so the test keeps it unevaluated
     unevaluated = {**names, "Max": lambda *args: sp.Max(*args, evaluate=False)}
     assert code == 0 and _same(sp.sympify(out, locals=unevaluated), est.peak)
+    # by default: the candidates that bind somewhere on the grid, listed on stderr
+    code, out, err = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed", "--format", "sympy")
+    few = sp.sympify(out, locals=unevaluated)
+    assert code == 0 and len(few.args) == len(est.regions()) < len(est.peak.args)
+    assert {sp.expand(x) for x in few.args} == {sp.expand(r.point.total) for r in est.regions()}
+    assert "backward log_softmax: the peak at" in err and "--all" in err
 
 
 def test_cli_formula_from_a_config(capsys):
