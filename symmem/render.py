@@ -287,7 +287,9 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
         "peak": {"expr": est.peak, "candidates": [(p.where, canonical(p.total)) for p in est.points],
                  "count": len(est.points), "bytes": peak, "where": point.where, "phase": point.phase,
                  "node": point.node, "active": canonical(point.total), "parts": parts,
-                 "breakdown": peak_parts},
+                 "breakdown": peak_parts,
+                 "regions": [{"where": r.point.where, "share": f"{100 * r.share:.0f}",
+                              "bs": f"{r.bs[0]:,} to {r.bs[1]:,}"} for r in est.regions()]},
         "budget": None if bud is None else {
             "label": bud.label, "total": bud.total, "reserve": bud.reserve, "usable": bud.usable,
             "infeasible": infeasible,
