@@ -5,7 +5,7 @@ DEMO_VENV := .venv-demo
 TEST_VENV := .venv-test
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test clean
+.PHONY: demo test notebooks clean
 
 $(DEMO_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(DEMO_VENV)
@@ -35,6 +35,11 @@ test: $(TEST_VENV)/.installed
 	      --no-install-recommends texlive-latex-base texlive-latex-recommended >/dev/null; \
 	  else echo "pdflatex is missing and installing it needs root: the LaTeX report test will be skipped"; fi; }
 	$(TEST_VENV)/bin/python -m pytest -q
+
+# Run every notebook and keep its outputs (a reader on a code host sees them; make test checks
+# that they are current).
+notebooks: $(TEST_VENV)/.installed
+	$(TEST_VENV)/bin/python notebooks/execute.py
 
 clean:
 	rm -rf $(DEMO_VENV) $(TEST_VENV) build *.egg-info
