@@ -78,3 +78,45 @@ def test_sweep_ranges_are_not_written_out():
     assert isinstance(big, range) and len(big) == 10**12
     with pytest.raises(ConfigError, match=r"--batch = '0:5' is not valid"):
         _values("0:5", "--batch")
+
+
+# argv -> (exit status, words of the message): each case of the newcomer's hour, and more
+CLI = {
+    "solve for h, fixed h not a multiple of a": (["solve", "--model", "gpt2", "--for", "b", "--seq", "1024",
+                                                  "--set", "h=770", "--budget", "80GB"], 1, ["h = 770", "multiple of 12"]),
+    "solve for a byte price": (["solve", "--model", "gpt2", "--for", "B_a", "--batch", "8", "--seq", "1024",
+                                "--budget", "80GB"], 1, ["'B_a'", "not a byte price"]),
+    "solve for the budget": (["solve", "--model", "gpt2", "--for", "M", "--batch", "8", "--seq", "1024",
+                              "--budget", "80GB"], 1, ["'M'", "not the budget"]),
+    "smallest b": (["solve", "--model", "gpt2", "--for", "b", "--min", "--seq", "1024", "--budget", "80GB"], 1,
+                   ["direction = 'min'", "does not fall as b grows"]),
+    "a symbol in no formula": (["solve", "--model", "gpt2", "--for", "g", "--min", "--batch", "8", "--seq", "1024",
+                                "--budget", "80GB"], 1, ["'g'", "depends on"]),
+    "a budget past the search": (["max-batch", "--model", "gpt2", "--seq", "1024", "--budget", "1e30"], 1,
+                                 ["beyond the search", "2^40"]),
+    "negative budget": (["max-batch", "--model", "gpt2", "--seq", "1024", "--budget", "-5GB"], 1, ["'-5GB'"]),
+    "budget in gigabytes spelled out": (["max-batch", "--model", "gpt2", "--seq", "1024", "--budget", "80 gigabytes"],
+                                        1, ["'80 gigabytes'", "80G (read as GiB)"]),
+    "sequence past n_positions": (["sweep", "--model", "gpt2", "--batch", "1:4", "--seq", "512,2048"], 1,
+                                  ["s = 2048", "s_max = 1024"]),
+    "a range that is not one": (["sweep", "--model", "gpt2", "--batch", "4:1:0", "--seq", "8"], 1, ["'4:1:0'"]),
+    "unknown recompute": (["estimate", "--model", "gpt2", "--batch", "1", "--seq", "8", "--recompute", "half"], 1,
+                          ["'half'"]),
+    "report named twice": (["report", "gpt2", "--model", "gpt2"], 2, ["name the model once"]),
+    "unknown component": (["formula", "--model", "gpt2", "--component", "weights"], 1, ["'weights'"]),
+}
+
+
+@pytest.mark.parametrize("case", CLI, ids=list(CLI))
+def test_hostile_command_lines(case, empty_cwd, capsys):
+    argv, status, words = CLI[case]
+    if status == 2:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        code = e.value.code
+    else:
+        code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == status and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
