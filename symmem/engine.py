@@ -314,9 +314,18 @@ class Estimate:
 
 
 def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:
-    """Derive the symbolic memory of one training step of ``graph`` under ``policy``: lower
-    it to a plan, let the policy's passes rewrite the plan, count it."""
-    policy = policy or Policy()
+    """Derive the symbolic memory of one training step of ``graph`` (a Graph, or a preset's
+    name such as ``"gpt2"``) under ``policy``: lower it to a plan, let the policy's passes
+    rewrite the plan, count it."""
+    if isinstance(graph, str):           # a preset's name or Hugging Face id: what a newcomer types
+        from .models import preset
+        graph = preset(graph)
+    if not isinstance(graph, Graph):
+        raise ConfigError("graph", type(graph).__name__, "a Graph, or a preset's name",
+                          "Build one with sm.models.preset('gpt2') or sm.models.from_hf_config(path).")
+    policy = Policy() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise ConfigError("policy", policy, "a Policy", "E.g. sm.Policy(precision='bf16-mixed', optimizer='adamw').")
     prepared = passes.prepare(graph, policy)
     plan = passes.run(lower(prepared, policy), prepared, policy)
     timeline = count(plan)

@@ -120,3 +120,14 @@ def test_hostile_command_lines(case, empty_cwd, capsys):
     assert code == status and "Traceback" not in err
     for w in words:
         assert w in err, (w, err)
+
+
+def test_what_a_newcomer_passes_to_estimate():
+    """A preset's name is taken for the model (sm.estimate("gpt2")); anything else that is not
+    a Graph, or a policy that is not a Policy, gets a message with the fix."""
+    assert sm.estimate("gpt2").at(b=1, s=8).peak == sm.estimate(sm.models.preset("gpt2")).at(b=1, s=8).peak
+    with pytest.raises(ConfigError, match=r"^graph = 'int' is not valid: expected a Graph, or a preset's name"):
+        sm.estimate(3)
+    with pytest.raises(ConfigError, match=r"^policy = 'bf16-mixed' is not valid: expected a Policy\. "
+                                          r"E\.g\. sm\.Policy\(precision='bf16-mixed'"):
+        sm.estimate("gpt2", "bf16-mixed")
