@@ -239,6 +239,7 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
     reserve, with an Infeasible it is required."""
     from . import __version__
     bud, sol, infeasible = _answer(solution, budget, s)
+    regions = est.regions()
     b_sym, s_sym = TABLE["b"].symbol, TABLE["s"].symbol
     ev = est.at(b=b, s=s)
     peak = ev.peak
@@ -289,7 +290,8 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
                  "node": point.node, "active": canonical(point.total), "parts": parts,
                  "breakdown": peak_parts,
                  "regions": [{"where": r.point.where, "share": f"{100 * r.share:.0f}",
-                              "bs": f"{r.bs[0]:,} to {r.bs[1]:,}"} for r in est.regions()]},
+                              "bs": f"{r.bs[0]:,} to {r.bs[1]:,}"} for r in regions],
+                 "binding": [(r.point.where, canonical(r.point.total)) for r in regions]},
         "budget": None if bud is None else {
             "label": bud.label, "total": bud.total, "reserve": bud.reserve, "usable": bud.usable,
             "infeasible": infeasible,
