@@ -28,8 +28,6 @@ is simply a copy that differs.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import sympy as sp
 
 from .footprints import Instance, trace
