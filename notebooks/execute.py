@@ -20,9 +20,12 @@ ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 def clean(book) -> None:
-    """Drop timings and object addresses from an executed notebook."""
+    """Drop timings, object addresses and what goes to stderr (library warnings, which name
+    this machine's paths) from an executed notebook."""
     for cell in book.cells:
         cell.metadata.pop("execution", None)
+        if "outputs" in cell:
+            cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
         for out in cell.get("outputs", []):
             if "text" in out:
                 out["text"] = ADDRESS.sub("", out["text"])

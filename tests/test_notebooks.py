@@ -46,6 +46,7 @@ def test_notebook_runs_and_its_stored_outputs_are_current(path):
     assert any(c.get("outputs") for c in stored.cells if c.cell_type == "code"), \
         f"{path.name} has no outputs: run make notebooks"
     fresh = execute(path)      # raises CellExecutionError with the failing cell and its traceback
+    # (execute() leaves out what went to stderr: warnings that name this machine's paths)
     errors = [o for c in fresh.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
     clean(stored)
