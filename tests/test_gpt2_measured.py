@@ -48,7 +48,8 @@ def optimizer(name, impl, params):
     if name == "adam":
         return torch.optim.Adam(params, **kw)
     kw.pop("fused", None)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd-momentum" else 0.0, **kw)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name in ("sgd-momentum", "sgd-nesterov") else 0.0,
+                           nesterov=name == "sgd-nesterov", **kw)
 
 
 @pytest.mark.parametrize("point", POINTS, ids=lambda p: "b{}-s{}-h{}-a{}-L{}-V{}-{}".format(*p[:6], p[7]))
@@ -83,6 +84,9 @@ TRAINING = [
     (POINTS[1], "bf16-mixed", "adam", "foreach"),
     (POINTS[2], "fp32", "adamw", "fused"),
     (POINTS[3], "bf16-mixed", "sgd-momentum", "foreach"),
+    (POINTS[1], "fp32", "sgd-nesterov", "for-loop"),
+    (POINTS[0], "bf16-mixed", "sgd-nesterov", "for-loop"),
+    (POINTS[2], "fp32", "sgd-nesterov", "foreach"),
 ]
 
 

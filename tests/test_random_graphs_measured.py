@@ -124,7 +124,8 @@ class Interpreter(torch.nn.Module):
 OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, foreach=False),
               "adam": lambda ps: torch.optim.Adam(ps, foreach=False),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
-              "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False)}
+              "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+              "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=False)}
 
 
 #: spec -> how the interpreter checkpoints: the variant, and whether only marked layers

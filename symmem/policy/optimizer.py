@@ -61,6 +61,16 @@ def _adam_for_loop(order, total) -> list:
     return [(name, temp) for temp, name in marks.items()]
 
 
+def _nesterov_for_loop(order, total) -> list:
+    """``grad = grad.add(buf, alpha=momentum)`` makes one temporary of this parameter's
+    size; the previous parameter's is freed when the loop rebinds ``grad`` first
+    (torch/optim/sgd.py, ``_single_tensor_sgd``). One mark per distinct size."""
+    marks = {}
+    for name, cur in order:
+        marks.setdefault(sp.expand(cur * B_o), name)
+    return [(name, temp) for temp, name in marks.items()]
+
+
 def _adam_foreach(order, total) -> list:
     """``torch._foreach_sqrt(exp_avg_sqs)`` allocates one temporary for every parameter."""
     return [("all parameters", sp.expand(total * B_o))]
@@ -87,10 +97,14 @@ class Optimizer:
 
 
 _SGD = (("for-loop", _none), ("foreach", _none), ("fused", _none))
+# foreach adds the buffers into the gradients in place (torch._foreach_add_), fused in its kernel
+_NESTEROV = (("for-loop", _nesterov_for_loop), ("foreach", _none), ("fused", _none))
 _ADAM = (("for-loop", _adam_for_loop), ("foreach", _adam_foreach), ("fused", _none))
 OPTIMIZERS = Registry("optimizer")
 for _o in (Optimizer("sgd", 0, False, _SGD, "SGD without momentum: p -= lr * g, in place"),
            Optimizer("sgd-momentum", 1, False, _SGD, "SGD with momentum: one buffer per parameter"),
+           Optimizer("sgd-nesterov", 1, False, _NESTEROV, "SGD with Nesterov momentum: one buffer per "
+                     "parameter; the for-loop adds it into a copy of each gradient"),
            Optimizer("adam", 2, True, _ADAM, "Adam (weight_decay=0): exp_avg and exp_avg_sq"),
            Optimizer("adamw", 2, True, _ADAM, "AdamW: exp_avg and exp_avg_sq; decay in place")):
     OPTIMIZERS.register(_o)
