@@ -137,7 +137,9 @@ RECOMPUTE = {"none": (None, False), "full": ("non-reentrant", False), "full,reen
 # backward runs before the recomputation, which stops at the layer norm
 @example(ops=["ln", "scale"], tied=False, p_drop=0.0, precision="fp32", optimizer="sgd", n=2, recompute="full",
          accumulate=1, bb=2, ss=4)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same 40 examples on every run, so that CI is deterministic; explore further
+# by hand with a larger max_examples and derandomize=False
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=4), tied=st.booleans(),
        p_drop=st.sampled_from([0.0, 0.1]), precision=st.sampled_from(["fp32", "bf16-mixed"]),
        optimizer=st.sampled_from(list(OPTIMIZERS)), n=st.integers(1, 4),
@@ -148,6 +150,8 @@ def test_random_graph_against_pytorch(ops, tied, p_drop, precision, optimizer, n
     assume(recompute != "every:2" or n % 2 == 0)
     # a known gap, pinned below: gelu_new's backward under the reentrant checkpoint
     assume(not (recompute == "full,reentrant" and "gelu_new" in ops))
+    # and the order of autocast's cast-backs inside a reentrant checkpoint, pinned below
+    assume(not (recompute == "full,reentrant" and precision == "bf16-mixed" and ops[0] in ("lin", "lin_bias", "mlp")))
     g = build(ops, tied, p_drop)
     g.bindings[L] = n                 # the model's own layers (a block may be derived with them bound)
     policy = sm.Policy(precision, optimizer, "cpu", recompute=recompute, accumulate=accumulate)
@@ -191,3 +195,28 @@ def test_reentrant_gelu_new_backward_is_one_tensor_above():
             and p.node == "blk/0_gelu_new"]
     assert report.peak == max(gelu) + 2 * 6 * 16 * 4
     assert report.peak_op == "aten.mul.Tensor" and report.peak_phase == "backward"
+
+
+def test_reentrant_autocast_casts_the_input_gradient_back_first():
+    """The known gap, pinned. A block that starts with a linear under bf16 autocast, checkpointed
+    reentrantly, L = 1: inside CheckpointFunction.backward the first layer's input gradient is
+    cast back to float32 and its bfloat16 copy freed before the weight's gradient is cast back;
+    symmem orders the weight's cast first, so at that moment it still counts the bfloat16 input
+    gradient, b*s*h*2 = 2*4*16*2 = 256 bytes. PyTorch's live bytes there are 29,896; symmem's
+    30,152 is 128 bytes above the measured peak (30,024, the embedding's backward)."""
+    g = build(["mlp"], False, 0.0)
+    g.bindings[L] = 1
+    policy = sm.Policy("bf16-mixed", "sgd", "cpu", recompute="full,reentrant")
+    est = sm.estimate(g, policy)
+    torch.manual_seed(0)
+    module = Interpreter(passes.prepare(g, policy).unrolled(), "reentrant")
+    ids = torch.randint(0, 50, (2, 4))
+
+    def loss():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return module(ids)
+    report = training_step(module, lambda m: loss(), OPTIMIZERS["sgd"](module.parameters()), extra=(ids,))
+    ev = est.at(b=2, s=4)
+    assert ev.peak_point.where == "backward blk/0_mlp_up (cast back) (first iteration)"
+    assert (ev.peak, report.peak) == (30_152, 30_024)
+    assert max(x.live_bytes for x in report.timeline if x.phase == "backward") == 30_024
