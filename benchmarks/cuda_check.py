@@ -11,7 +11,9 @@ makes on the CPU), their difference, and torch.cuda.max_memory_allocated for sca
 the caching allocator's rounding and cuBLAS workspaces, which symmem does not model).
 CUDA differs from the CPU in what is checked here: 1-byte dropout masks, float32 layer-norm
 statistics, autocast's CUDA lists (layer_norm, softmax, log_softmax and pow in float32),
-Adam's step counters on the host, foreach optimizers, Python numbers saved on the host.
+Adam's step counters on the host, foreach optimizers, Python numbers saved on the host,
+and SDPA's CUDA kernels (flash, mem-efficient, cuDNN: the one PyTorch picks on this GPU is
+found by a probe and named to symmem, which prints it).
 Exit status 1 when a difference is not zero.
 """
 from __future__ import annotations
@@ -35,7 +37,11 @@ transformers.logging.set_verbosity_error()
 # (b, s, h, a, L, V, n_positions, activation)
 POINTS = [(2, 16, 32, 4, 2, 100, 32, "gelu_new"), (4, 64, 64, 4, 3, 500, 64, "gelu_new"),
           (8, 128, 128, 8, 2, 1000, 128, "gelu")]
-CASES = [  # point, precision, optimizer, implementation, recompute, accumulate
+CASES = [  # point, precision, optimizer, implementation, recompute, accumulate[, attention]
+    (0, "fp32", "adamw", "auto", "none", 1, "sdpa"),
+    (1, "bf16-mixed", "adamw", "auto", "none", 1, "sdpa"),
+    (2, "fp16-mixed", "sgd", "auto", "none", 1, "sdpa"),
+    (1, "bf16-mixed", "adamw", "auto", "full", 1, "sdpa"),
     (0, "fp32", "adamw", "auto", "none", 1),
     (0, "bf16-mixed", "adamw", "auto", "none", 1),
     (1, "fp32", "sgd", "auto", "none", 1),
@@ -56,11 +62,11 @@ from transformers.models.gpt2 import modeling_gpt2  # noqa: E402
 EAGER_CORE = modeling_gpt2.eager_attention_forward
 
 
-def model_for(point, recompute):
+def model_for(point, recompute, attention="eager"):
     b, s, h, a, L, V, P, act = point
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_embd=h, n_head=a, n_layer=L, vocab_size=V, n_positions=P,
-                                  activation_function=act, attn_implementation="eager", use_cache=False,
+                                  activation_function=act, attn_implementation=attention, use_cache=False,
                                   bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg).cuda().train()
     base, _, variant = recompute.partition(",")
@@ -85,16 +91,33 @@ def optimizer_for(name, impl, params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd-momentum" else 0.0, **kw)
 
 
+BACKENDS = {"ScaledDotProductFlashAttentionBackward0": "flash",
+            "ScaledDotProductEfficientAttentionBackward0": "mem-efficient",
+            "ScaledDotProductCudnnAttentionBackward0": "cudnn"}
+
+
+def sdpa_backend(point, half):
+    """The kernel scaled_dot_product_attention runs on this GPU for GPT-2's call (is_causal,
+    dropout 0.1, q, k, v views of one projection): read off the autograd node it makes."""
+    b, s, h, a = point[:4]
+    x = torch.randn(b, s, 3 * h, device="cuda", dtype=half or torch.float32, requires_grad=True)
+    q, k, v = (t.view(b, s, a, h // a).transpose(1, 2) for t in x.split(h, dim=2))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+    return BACKENDS.get(out.grad_fn.name(), "math")
+
+
 def run(case):
-    i, precision, opt, impl, recompute, k = case
+    i, precision, opt, impl, recompute, k, attention = (*case, "eager")[:7]
     point = POINTS[i]
     b, s, h, a, L, V, P, act = point
-    cfg, model = model_for(point, recompute)
-    est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()),
-                      sm.Policy(precision, opt, "cuda", impl, recompute=recompute, accumulate=k))
+    half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    cfg, model = model_for(point, recompute, attention)
+    kernel = sdpa_backend(point, half) if attention == "sdpa" else attention
+    graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": attention})
+    est = sm.estimate(graph, sm.Policy(precision, opt, "cuda", impl, recompute=recompute, accumulate=k,
+                                       attention=kernel))
     ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s), device="cuda")
-    half = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
 
     def loss():
         with torch.autocast("cuda", dtype=half or torch.float32, enabled=half is not None):
@@ -103,25 +126,25 @@ def run(case):
     cuda_saved = sum(e.storage_nbytes for e in saved.entries if e.counted and e.device.startswith("cuda"))
     report = training_step(model, lambda m: loss(), optimizer_for(opt, impl, model.parameters()), extra=(ids,),
                            accumulate=k)
-    return ev, cuda_saved, report
+    return ev, cuda_saved, report, "+".join(est.kernels)
 
 
 def main() -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
-    print(f"{'case':<46}{'saved':>10}{'diff':>7}{'peak':>11}{'diff':>8}{'max_alloc':>11}  where")
+    print(f"{'case':<52}{'saved':>10}{'diff':>7}{'peak':>11}{'diff':>8}{'max_alloc':>11}  where")
     bad = 0
     for case in CASES:
-        name = f"P{case[0]} {case[1]} {case[2]}[{case[3]}] rc={case[4]} K={case[5]}"
+        name = f"P{case[0]} {case[1]} {case[2]}[{case[3]}] rc={case[4]} K={case[5]} {(*case, 'eager')[6]}"
         try:
-            ev, saved, report = run(case)
+            ev, saved, report, kernels = run(case)
         except Exception:            # report and go on: one broken case must not hide the rest
             bad += 1
-            print(f"{name:<46}ERROR\n{traceback.format_exc(limit=3)}")
+            print(f"{name:<52}ERROR\n{traceback.format_exc(limit=3)}")
             continue
         ds, dp = ev.bytes["activations"] - saved, ev.peak - report.peak
         bad += ds != 0 or dp != 0
-        print(f"{name:<46}{saved:>10,}{ds:>7,}{report.peak:>11,}{dp:>8,}{report.cuda_max_allocated:>11,}  "
-              f"{ev.peak_point.where} | {report.peak_phase} {report.peak_op}")
+        print(f"{name:<52}{saved:>10,}{ds:>7,}{report.peak:>11,}{dp:>8,}{report.cuda_max_allocated:>11,}  "
+              f"[{kernels}] {ev.peak_point.where} | {report.peak_phase} {report.peak_op}")
     print("all exact" if not bad else f"{bad} case(s) differ")
     return 1 if bad else 0
 

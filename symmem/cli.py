@@ -290,7 +290,8 @@ def _report(args, policy: Policy) -> dict:
         "json": {
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
-                       "seq": args.seq, **policy_inputs(policy)},
+                       "seq": args.seq, **policy_inputs(est.policy),
+                       "attention_kernels": list(est.kernels)},
             "batch_per_step": args.batch * policy.accumulate,     # b*K sequences per optimizer step
             "bindings": {str(k): _number(v) for k, v in bindings.items()},
             "parameters": int(est.components["params"].xreplace({**bindings, B_w: 1})),
@@ -331,9 +332,9 @@ def _wrap(text: str, indent: str = "  ") -> str:
                          break_on_hyphens=False)
 
 
-def _policy_line(policy: Policy) -> str:
+def _policy_line(est) -> str:
     """``policy: ...`` wrapped at spaces only ("for-loop", "micro-batches" stay whole)."""
-    return textwrap.fill(f"policy: {policy.describe()}", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+    return textwrap.fill(f"policy: {est.describe()}", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
 
 
 def render_table(args, policy: Policy, r: dict) -> str:
@@ -342,7 +343,7 @@ def render_table(args, policy: Policy, r: dict) -> str:
     dims = ", ".join(f"{k} = {v:,}" if isinstance(v, int) else f"{k} = {v}"
                      for k, v in j["bindings"].items() if not k.startswith("B_"))
     out = [f"symmem estimate: {est.graph.name} ({source}), {j['parameters']:,} parameters",
-           _policy_line(policy),
+           _policy_line(est),
            textwrap.fill(f"inputs: batch b = {args.batch:,}, seq s = {args.seq:,}; model {dims}", WIDTH,
                          subsequent_indent="  "),
            ""]
@@ -389,7 +390,7 @@ def render_latex(args, policy: Policy, r: dict) -> str:
         return render_latex_expr(e)
 
     out = [f"% symmem estimate: {est.graph.name}; b = {args.batch}, s = {args.seq}",
-           *textwrap.wrap(f"policy: {policy.describe()}", WIDTH, initial_indent="% ",
+           *textwrap.wrap(f"policy: {est.describe()}", WIDTH, initial_indent="% ",
                           subsequent_indent="%   "),
            f"% bindings: {bind}",
            f"% peak = {ev.peak:,} bytes ({format_bytes(ev.peak)}) during {ev.peak_point.where}",
@@ -429,7 +430,7 @@ def _solution_json(sol, bud, est) -> dict:
     key = "max_batch" if sol.symbol == "b" and sol.direction == "max" else "value"
     return {
         "symmem_version": __version__,
-        "model": est.graph.name, "policy": est.policy.describe(),
+        "model": est.graph.name, "policy": est.describe(),
         "symbol": sol.symbol, "direction": sol.direction, "fixed": sol.fixed,
         key: sol.value,
         "budget": bud.label,
@@ -477,7 +478,7 @@ def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
         print(json.dumps(_solution_json(sol, bud, est), indent=2))
         return 0
     out = [f"symmem {args.command}: {est.graph.name}; {', '.join(f'{k} = {v:,}' for k, v in fixed.items())}",
-           _policy_line(policy),
+           _policy_line(est),
            f"budget: {bud.label}", "",
            str(sol), "", f"breakdown at {symbol} = {sol.value:,}:", sol.at_value.table()]
     if sol.boundary_numeric is not None:

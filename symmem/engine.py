@@ -8,7 +8,7 @@ Formulas are kept canonical with ``expand`` and ``collect`` (never ``simplify``)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import sympy as sp
@@ -16,6 +16,7 @@ import sympy as sp
 from .errors import ConfigError
 from .graph import Graph
 from .policy import Policy
+from .policy.attention import resolve
 from .bounds import provably_nonneg, prune
 from .counter import Point, Timeline, count
 from . import passes
@@ -133,13 +134,23 @@ class Region:
 class Estimate:
     """The memory of one training step of ``graph`` under ``policy``, as formulas."""
 
-    def __init__(self, graph: Graph, policy: Policy, plan: Plan, timeline: Timeline):
+    def __init__(self, graph: Graph, policy: Policy, plan: Plan, timeline: Timeline,
+                 prepared: Graph | None = None):
         self.graph, self.policy, self.plan, self._timeline = graph, policy, plan, timeline
+        #: the graph the plan was lowered from: the model's, after the passes' rewrites (the
+        #: attention kernel's operators in place of each attention node)
+        self.prepared = graph if prepared is None else prepared
+        #: the attention kernels the step runs (``sdpa``'s choice per device made concrete)
+        self.kernels = passes.attention.kernels(self.prepared)
         self.components = {k: canonical(timeline.components[k]) for k in COMPONENTS}
         self.requirements = _distinct(timeline.requirements)
         self.points = _prune(list(timeline.points))
         self.bindings = {**{symbol(k) if isinstance(k, str) else k: sp.sympify(v)
                             for k, v in graph.bindings.items()}, **policy.bindings()}
+
+    def describe(self) -> str:
+        """The policy in words, with the kernel ``sdpa`` picked for this model and device."""
+        return self.policy.describe(self.kernels)
 
     @cached_property
     def peak(self) -> sp.Expr:
@@ -284,7 +295,7 @@ class Estimate:
         return int(sp.ceiling(v))
 
     def __repr__(self) -> str:
-        return f"Estimate({self.graph.name}, {self.policy.describe()})\npeak = {self.peak}"
+        return f"Estimate({self.graph.name}, {self.describe()})\npeak = {self.peak}"
 
     def _repr_latex_(self) -> str:
         # symmem's printer: grouped by L, b, s; parses back
@@ -296,7 +307,7 @@ class Estimate:
         n = len(self.points)
         rows.append(["<b>peak</b>", f"the largest of {n} candidate{'s' * (n != 1)} (below)"])
         where = "".join(f"<li>{esc(p.where)}</li>" for p in self.points)
-        return (f"<div><p><b>{esc(self.graph.name)}</b>: {esc(self.policy.describe())}</p>"
+        return (f"<div><p><b>{esc(self.graph.name)}</b>: {esc(self.describe())}</p>"
                 f"<p>bindings: {esc(values_text(self.bindings))}</p>"
                 + html_table(["component", "bytes"], rows)
                 + f"<details><summary>peak: {n} candidate moment{'s' * (n != 1)} of the step "
@@ -306,7 +317,7 @@ class Estimate:
         if cycle:
             p.text(f"Estimate({self.graph.name})")
             return
-        lines = [f"Estimate: {self.graph.name}", f"policy: {self.policy.describe()}"]
+        lines = [f"Estimate: {self.graph.name}", f"policy: {self.describe()}"]
         lines += [f"  {k} = {v}" for k, v in self.components.items()]
         n = len(self.points)
         lines.append(f"  peak = Max of {n} candidate{'s' * (n != 1)} (.peak, .points)")
@@ -326,6 +337,8 @@ def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:
     policy = Policy() if policy is None else policy
     if not isinstance(policy, Policy):
         raise ConfigError("policy", policy, "a Policy", "E.g. sm.Policy(precision='bf16-mixed', optimizer='adamw').")
+    # the model's own attention kernel, else transformers' default: outputs name the one used
+    policy = replace(policy, attention=resolve(policy.attention, graph.attention))
     prepared = passes.prepare(graph, policy)
     plan = passes.run(lower(prepared, policy), prepared, policy)
     timeline = count(plan)
@@ -337,7 +350,7 @@ def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:
         prepared = prepared.with_bound_counts()
         plan = passes.run(lower(prepared, policy), prepared, policy)
         timeline = count(plan)
-    return Estimate(graph, policy, plan, timeline)
+    return Estimate(graph, policy, plan, timeline, prepared)
 
 
 def _distinct(requirements) -> tuple:

@@ -11,6 +11,10 @@ traced whole. The middle copy must turn out alike the last (the same dtypes in a
 or the block cannot be extrapolated and is refused with a fix. A first copy that differs
 is recorded as a requirement (the formulas hold from two iterations on).
 
+A node with the attribute ``autocast=False`` is traced with autocast off: the operators of
+a kernel that autocast treats as one op (SDPA's math fallback runs inside
+``scaled_dot_product_attention``, which autocast casts once at its entry).
+
 This module reads the graph through its attributes only, so the graph's own displays can
 use it.
 """
@@ -131,7 +135,8 @@ class _Tracer:
             inputs = (self.carried(rep, copy, node.attr("index", 0)),)
         else:
             inputs = tuple(self.where(v, copy, rep) for v in node.inputs)
-        fp = get_rule(node.op)(node, [t.info[i] for i in inputs], self.ctx)
+        ctx = self.ctx if node.attr("autocast", True) else replace(self.ctx, autocast=False)
+        fp = get_rule(node.op)(node, [t.info[i] for i in inputs], ctx)
         if node.params and not fp.out.requires_grad:
             fp = replace(fp, out=replace(fp.out, requires_grad=True))
         own = rep.body._params if rep is not None else {}

@@ -128,6 +128,7 @@ class Graph:
     _taken: set = field(default_factory=set)   # every value name, bodies included (shared)
     _scope: dict = field(default_factory=dict)
     locals: tuple = ()        # ((value, until), …): a value the model's code keeps until a node ran
+    attention: str | None = None   # the attention kernel the model asks for (a config's attn_implementation)
 
     # ----- building ---------------------------------------------------------------
     def param(self, name: str, shape) -> Param:
@@ -318,7 +319,58 @@ class Graph:
             for n, sh in _defines(item):
                 g._shapes[n] = sh
         g.outputs, g.requirements, g.locals = self.outputs, self.requirements, self.locals
+        g.attention = self.attention
         g._taken = set(g._shapes) | self._taken
+        return g
+
+    def rewritten(self, rewrite: Callable) -> "Graph":
+        """This graph with each node handed to ``rewrite(node, sub)`` (bodies of repeated
+        blocks included), as torch.fx's transformer rewrites a graph. A rewrite that returns
+        True has replaced the node: it added the replacement to ``sub`` (a scratch graph that
+        sees every value defined before the node; the replacement's last node takes the
+        node's name and shape, and ``sub.hold`` keeps values as :meth:`hold` does) or, adding
+        nothing, removed the node. A node that still reads a removed value is an error; the
+        holds of removed values go with them."""
+        return self._rewritten(rewrite, None, set())
+
+    def _rewritten(self, rewrite, parent, removed: set) -> "Graph":
+        g = Graph(self.name, dict(self.bindings), parent=parent, externals=self.externals,
+                  outputs=self.outputs, requirements=self.requirements, attention=self.attention)
+        g._taken = set(self._taken) if parent is None else parent._taken
+        g._params = dict(self._params)
+        holds = list(self.locals)
+        for item in self.items:
+            if isinstance(item, Repeat):
+                body = item.body._rewritten(rewrite, g, removed)
+                body.externals = tuple(x for x in item.body.externals if x not in removed)
+                item = replace(item, body=body)
+            else:
+                sub = _Scratch(self.name, parent=g)
+                if rewrite(item, sub):
+                    if sub.items and (sub.items[-1].name, sub.items[-1].shape) != (item.name, item.shape):
+                        raise ShapeError(item.name, sub.items[-1].shape,
+                                         f"a replacement whose last node is {item.name!r} of shape {item.shape}")
+                    if not sub.items:
+                        removed.add(item.name)
+                    for n in sub.items:
+                        if n.name != item.name and n.name in g._taken:
+                            raise ConfigError("node name", n.name, "a name not used before in this graph")
+                        g.items.append(n)
+                        g._shapes[n.name] = n.shape
+                        g._taken.add(n.name)
+                    holds += sub.locals
+                    continue
+                reads = [x for x in item.inputs if x in removed]
+                if reads:
+                    raise ConfigError(f"input of node {item.name!r}", reads[0], "a value the rewrite kept")
+            g.items.append(item)
+            for n, sh in _defines(item):
+                g._shapes[n] = sh
+        g.locals = tuple((v, u) for v, u in holds if v not in removed and u not in removed)
+        for v, u in g.locals:
+            for x in (v, u):
+                if x not in g._shapes:
+                    raise ConfigError("value to hold", x, f"a value defined in {self.name!r} itself")
         return g
 
     def unrolled(self) -> "Graph":
@@ -461,11 +513,15 @@ class Graph:
 
         ``= value`` names the graph value whose storage the saved tensor is (it costs no
         new memory); ``bytes`` is per element (``B_a`` until a precision binds it).
-        A Repeat's body is listed once, indented, under ``name  repeat x count``."""
+        A Repeat's body is listed once, indented, under ``name  repeat x count``. An
+        ``attention`` node is listed as the model wrote it: what it saves depends on the
+        attention kernel, whose operators replace it in ``estimate(graph, policy).prepared``."""
         saved = self._saved(policy)
         out = []
         for line, (_, item) in zip(self._lines(""), self._walk_items(0)):
             sv = saved.get(item.name) if isinstance(item, Node) else None
+            if isinstance(item, Node) and item.op == "attention":
+                line += "  saves: what its kernel saves (est.prepared.describe() lists the kernel's operators)"
             out.append(line + ("  saves: " + ", ".join(_fmt_saved(*t) for t in sv) if sv else ""))
         return "\n".join(out)
 
@@ -527,6 +583,18 @@ class Graph:
                 f"{esc(policy.device)}; <code>graph.describe(policy)</code> for another)</p>"
                 + html_table(("name", "op", "inputs", "shape", "params", "saves for backward"), rows, indent=depths)
                 + "</div>")
+
+
+class _Scratch(Graph):
+    """Where :meth:`Graph.rewritten` builds one node's replacement: names are checked
+    against the whole graph's, holds may name a node defined later (the replacement
+    cannot see it yet)."""
+
+    def __init__(self, name, parent):
+        super().__init__(name, parent=parent)
+
+    def hold(self, value: str, until: str) -> None:
+        self.locals = self.locals + ((value, until),)
 
 
 def _fmt(shape: Shape) -> str:

@@ -281,7 +281,7 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
                           "value": sp.sympify(v)} for k, v in est.graph.bindings.items()]},
         "policy": {"precision": est.policy.precision, "optimizer": est.policy.optimizer,
                    "device": est.policy.device, "implementation": est.policy.impl,
-                   "description": est.policy.describe()},
+                   "description": est.describe()},
         "b": b, "s": s,
         "glossary": glossary,
         "components": comps,

@@ -13,7 +13,9 @@ answers one question about growth:
 - ``sweep``: the compiled peak and components over a grid.
 
 Formulas are expanded and collected, never ``simplify``-ed; with integer values every
-number is exact.
+number is exact. A kernel's padding (``32*ceiling(s/32)`` rows of the mem-efficient
+attention's log-sum-exp) is read as its argument for degrees, leading terms and
+elasticities: it differs from ``s`` by less than 32, so it grows as ``s`` does.
 """
 from __future__ import annotations
 
@@ -104,11 +106,16 @@ def _poly_leading(e: sp.Expr, x: sp.Symbol) -> tuple[int, sp.Expr]:
     return p.degree(), p.LC()
 
 
+def _smooth(e: sp.Expr) -> sp.Expr:
+    """``e`` with every ``ceiling(u)`` read as ``u`` (a padding: the same growth)."""
+    return e.replace(sp.ceiling, lambda u: u) if e.has(sp.ceiling) else e
+
+
 def _leading(expr, x: sp.Symbol) -> tuple[int, sp.Expr]:
     """(degree d, coefficient c) with ``expr ~ c * x**d`` as ``x -> oo``, for one
     candidate: a polynomial in x, or a ratio of two (degree of the numerator minus that of
     the denominator; coefficient the ratio of their leading coefficients)."""
-    e = sp.expand(expr)
+    e = sp.expand(_smooth(sp.sympify(expr)))
     if x not in e.free_symbols:
         return 0, e
     if e.is_polynomial(x):
@@ -197,7 +204,7 @@ def elasticity(obj, x, at: dict | None = None, *, component: str = "peak"):
 def _elasticity_of(expr, x, subs, value):
     if value == 0:
         raise ConfigError("M", 0, "a nonzero value at the point (ln M is undefined at 0)")
-    deriv = _value(sp.diff(sp.expand(expr), x), subs, "the formula")
+    deriv = _value(sp.diff(sp.expand(_smooth(sp.sympify(expr))), x), subs, "the formula")
     e = subs.get(x, x) * deriv / value
     e = _value(e, subs, "the formula")
     return e if e.is_Rational else float(e)

@@ -76,7 +76,8 @@ def test_json_shape(capsys):
     assert j["inputs"] == {"model": "gpt2", "config": None, "batch": 8, "seq": 1024,
                            "precision": "fp32", "optimizer": "adamw", "device": "cuda",
                            "implementation": "auto", "recompute": "none", "accumulate": 1,
-                           "attention": "eager", "parallel": "none", "implementation_resolved": "foreach"}
+                           "attention": "sdpa", "parallel": "none", "implementation_resolved": "foreach",
+                           "attention_kernels": ["mem-efficient"]}     # auto: transformers' default, on CUDA in fp32
     assert set(j["bytes"]) == {*COMPONENTS, "peak"}
     assert set(j["peak_breakdown"]) == set(ROLES)
     assert set(j["components"]) == set(COMPONENTS)
@@ -311,7 +312,7 @@ def test_max_batch_infeasible(capsys):
 
 def test_solve_for_sequence_and_layers(capsys):
     j = run_json(capsys, "solve", "--model", "gpt2", "--for", "s", "--max", "--batch", 8,
-                 "--precision", "bf16-mixed", "--budget", "16GiB", "--reserve", "0")
+                 "--precision", "bf16-mixed", "--attention", "eager", "--budget", "16GiB", "--reserve", "0")
     # the library's answer (tests/test_solve.py proves it: the peak at 853 fits 16 GiB, at 854 not)
     assert j["value"] == 853 and j["symbol"] == "s" and j["fixed"] == {"b": 8}
     j = run_json(capsys, "solve", "--model", "gpt2", "--for", "L", "--batch", 8, "--seq", 1024,

@@ -34,7 +34,8 @@ def fake_pretty(obj, cycle=False) -> str:
 
 @pytest.fixture(scope="module")
 def est():
-    return sm.estimate(sm.models.preset("gpt2"), sm.Policy(precision="bf16-mixed", optimizer="adamw"))
+    return sm.estimate(sm.models.preset("gpt2"), sm.Policy(precision="bf16-mixed", optimizer="adamw",
+                                                           attention="eager"))
 
 
 def tiny(name="<b>&tiny"):
@@ -86,7 +87,7 @@ def test_estimate_pretty(est):
     text = pretty(est)
     lines = text.splitlines()
     assert lines[0] == "Estimate: gpt2"
-    assert lines[1] == f"policy: {est.policy.describe()}"
+    assert lines[1] == f"policy: {est.describe()}"
     for name, formula in est.components.items():
         assert f"  {name} = {formula}" in lines
     assert lines[-1].startswith(f"  peak = Max of {len(est.points)} candidates")

@@ -34,6 +34,13 @@ def hf_model(h, a, L, V, P, act):
     return cfg, model
 
 
+def graph_of(cfg):
+    """symmem's graph of transformers' config object: its ``to_dict()`` leaves out the
+    attention implementation the model was built with, so it is passed on as config.json
+    would carry it."""
+    return sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
+
+
 def loss_fn(model, ids, precision):
     def fwd():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
@@ -57,7 +64,7 @@ def optimizer(name, impl, params):
 def test_params_and_saved_activations_exact(point, precision):
     b, s, h, a, L, V, P, act = point
     cfg, model = hf_model(h, a, L, V, P, act)
-    est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()), sm.Policy(precision, "sgd", "cpu"))
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, "sgd", "cpu"))
     ev = est.at(b=b, s=s)
     assert ev.bytes["params"] == param_bytes(model)
     ids = torch.randint(0, V, (b, s))
@@ -71,7 +78,7 @@ def test_batch_of_one_keeps_the_padded_labels():
     element (8 bytes) more than the b*s elements the formula counts."""
     b, s, h, a, L, V, P = 1, 32, 32, 2, 1, 300, 64
     cfg, model = hf_model(h, a, L, V, P, "gelu")
-    est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()), sm.Policy("fp32", "sgd", "cpu"))
+    est = sm.estimate(graph_of(cfg), sm.Policy("fp32", "sgd", "cpu"))
     ids = torch.randint(0, V, (b, s))
     measured = saved_bytes(loss_fn(model, ids, "fp32"), exclude=model)
     assert measured.total - est.at(b=b, s=s).bytes["activations"] == 8
@@ -97,7 +104,7 @@ def test_training_step_peak_exact(point, precision, opt, impl):
     too: the formula must not be right only at the binding point."""
     b, s, h, a, L, V, P, act = point
     cfg, model = hf_model(h, a, L, V, P, act)
-    est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()), sm.Policy(precision, opt, "cpu", impl))
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", impl))
     ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s))
     fwd = loss_fn(model, ids, precision)
@@ -117,7 +124,7 @@ def test_every_byte_of_the_peak_explained():
     the rest, by role, is what symmem lists, and the total is the measured one."""
     b, s, h, a, L, V, P, act = POINTS[0]
     cfg, model = hf_model(h, a, L, V, P, act)
-    est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()), sm.Policy("fp32", "adamw", "cpu", "for-loop"))
+    est = sm.estimate(graph_of(cfg), sm.Policy("fp32", "adamw", "cpu", "for-loop"))
     ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s))
     report = training_step(model, lambda m: loss_fn(model, ids, "fp32")(), optimizer("adamw", "for-loop",
@@ -170,7 +177,7 @@ def test_bf16_master_weights(point):
     b, s, h, a, L, V, P, act = point
     cfg, model = hf_model(h, a, L, V, P, act)
     model.to(torch.bfloat16)
-    est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()), sm.Policy("bf16-master", "adamw", "cpu"))
+    est = sm.estimate(graph_of(cfg), sm.Policy("bf16-master", "adamw", "cpu"))
     ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s))
     assert ev.bytes["params"] == param_bytes(model)

@@ -168,7 +168,8 @@ def test_unmodelled_key_of_a_toy(reg):
 
 def test_gpt2_aliases_are_hugging_faces_attribute_map():
     transformers = pytest.importorskip("transformers")
-    assert gpt2.ALIASES == transformers.GPT2Config.attribute_map
+    # and transformers' own name for the attention kernel, which it keeps in `_attn_implementation`
+    assert gpt2.ALIASES == {**transformers.GPT2Config.attribute_map, "_attn_implementation": "attn_implementation"}
     generic = {"model_type": "gpt2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                "vocab_size": 100, "max_position_embeddings": 32}
     assert sm.models.hf_config(generic)[1] == sm.models.hf_config(TINY)[1]
@@ -184,7 +185,7 @@ def test_gpt2_defaults_are_transformers_defaults():
     hf = transformers.GPT2Config()
     for fl in fields(gpt2.GPT2Config):
         if fl.name != "name":
-            assert getattr(hf, fl.name) == fl.default, fl.name
+            assert getattr(hf, "_" * (fl.name == "attn_implementation") + fl.name) == fl.default, fl.name
 
 
 def test_every_transformers_key_is_decided():
@@ -217,8 +218,6 @@ def test_reorder_and_upcast_attn_is_refused_word_for_word():
 
 @pytest.mark.parametrize("key,value,words", [
     ("add_cross_attention", True, "4*h^2 + 6*h parameters more per layer"),
-    ("attn_implementation", "sdpa", 'expected null or "eager", the only values symmem models'),
-    ("_attn_implementation", "flash_attention_2", 'Remove the key or set it to "eager".'),
     ("gradient_checkpointing", True, "symmem models no recomputation yet"),
 ])
 def test_unmodelled_keys_are_refused(key, value, words):
@@ -227,6 +226,21 @@ def test_unmodelled_keys_are_refused(key, value, words):
     with pytest.raises(ConfigError) as e:
         sm.models.from_hf_config({**TINY, key: value})
     assert e.value.field == key and words in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["attn_implementation", "_attn_implementation"])
+def test_the_configs_attention_is_the_default_kernel(key):
+    """``attn_implementation`` is what ``--attention auto`` (the default) runs; a policy that
+    names a kernel wins; a name transformers does not have is refused with the known ones."""
+    for hf_name, kernel in (("eager", "eager"), ("sdpa", "sdpa"), ("flash_attention_2", "flash")):
+        g = sm.models.from_hf_config({**TINY, key: hf_name})
+        assert sm.estimate(g, sm.Policy("bf16-mixed")).policy.attention == kernel
+        assert sm.estimate(g, sm.Policy("bf16-mixed", attention="math")).policy.attention == "math"
+    assert sm.estimate(sm.models.from_hf_config(TINY)).policy.attention == "sdpa"    # transformers' default
+    with pytest.raises(UnknownName) as e:
+        sm.models.from_hf_config({**TINY, key: "flex_attention"})
+    assert str(e.value) == ("unknown attn_implementation 'flex_attention'. Did you mean 'flash_attention_2'? "
+                            "Known: eager, sdpa, flash_attention_2.")
 
 
 def test_cli_refuses_an_unmodelled_key(capsys, tmp_path):
@@ -269,7 +283,8 @@ def _measure(precision="fp32", changes=(), step=True):
     saved = saved_bytes(loss, exclude=model).total
     peak = training_step(model, lambda m: loss(), torch.optim.SGD(model.parameters(), lr=0.1, foreach=False),
                          extra=(ids,)).peak if step else None
-    return (param_bytes(model), saved, peak), {**cfg.to_dict(), **dict(changes)}
+    return (param_bytes(model), saved, peak), {**cfg.to_dict(), "attn_implementation": cfg._attn_implementation,
+                                               **dict(changes)}
 
 
 def test_the_measured_baseline_is_estimated():
@@ -296,7 +311,7 @@ def test_ignored_keys_change_no_byte():
 
 
 UNMODELLED_MEASURED = [("reorder_and_upcast_attn", True, "bf16"), ("add_cross_attention", True, "fp32"),
-                       ("attn_implementation", "sdpa", "bf16"), ("gradient_checkpointing", True, "fp32")]
+                       ("gradient_checkpointing", True, "fp32")]
 
 
 @pytest.mark.parametrize("key,value,precision", UNMODELLED_MEASURED, ids=[k for k, *_ in UNMODELLED_MEASURED])

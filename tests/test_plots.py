@@ -23,7 +23,7 @@ def mpl():
 
 @pytest.fixture(scope="module")
 def est():
-    return sm.estimate(sm.models.preset("gpt2"), sm.Policy(precision="bf16-mixed", optimizer="adamw"))
+    return sm.estimate(sm.models.preset("gpt2"), sm.Policy(precision="bf16-mixed", optimizer="adamw", attention="eager"))
 
 
 def bars(ax) -> dict:

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 import symmem as sm  # noqa: E402
 from symmem.measure import saved_bytes, training_step  # noqa: E402
 from symmem.policy import Recompute  # noqa: E402
-from test_gpt2_measured import POINTS, hf_model, loss_fn, optimizer  # noqa: E402
+from test_gpt2_measured import POINTS, graph_of, hf_model, loss_fn, optimizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -74,7 +74,7 @@ def checkpointed(point, spec, monkeypatch):
 def measured_against_symmem(point, precision, opt, spec, monkeypatch, accumulate=1):
     b, s, h, a, L, V, P, act = point
     cfg, model = checkpointed(point, spec, monkeypatch)
-    est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()),
+    est = sm.estimate(graph_of(cfg),
                       sm.Policy(precision, opt, "cpu", recompute=spec, accumulate=accumulate))
     ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s))

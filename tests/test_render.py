@@ -41,7 +41,7 @@ def answer(est, *, s, gpu=None, budget=None, reserve="10%") -> dict:
 @pytest.fixture(scope="module")
 def ests():
     """gpt2 under fp32 and bf16-mixed (adamw, cuda, foreach): about 0.6 s each."""
-    return {p: sm.estimate(sm.models.preset("gpt2"), sm.Policy(precision=p))
+    return {p: sm.estimate(sm.models.preset("gpt2"), sm.Policy(precision=p, attention="eager"))
             for p in ("fp32", "bf16-mixed")}
 
 
@@ -412,7 +412,7 @@ def run(capsys, *argv):
 def test_cli_report_to_a_file(capsys, tmp_path, reports):
     out = tmp_path / "gpt2.tex"
     code, stdout, err = run(capsys, "report", "gpt2", "--batch", 8, "--seq", 1024, "--precision",
-                            "bf16-mixed", "--gpu", GPT2_BUDGET, "--format", "latex", "-o", out)
+                            "bf16-mixed", "--attention", "eager", "--gpu", GPT2_BUDGET, "--format", "latex", "-o", out)
     assert code == 0 and stdout == "" and f"wrote {out}" in err
     assert out.read_text() == reports["latex"]
 
@@ -440,22 +440,23 @@ def test_cli_report_names_the_model_after_its_folder(capsys, tmp_path):
 
 def test_cli_formula_latex_and_sympy(capsys, ests):
     est = ests["bf16-mixed"]
-    code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed",
+    code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed", "--attention", "eager",
                        "--component", "activations", "--format", "latex")
     assert code == 0 and out == rd.latex(est.components["activations"]) + "\n"
     assert sp.expand(_parse(out.strip()) - est.components["activations"]) == 0
     names = {k: v.symbol for k, v in TABLE.items()}
-    code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed",
+    code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed", "--attention", "eager",
                        "--component", "activations", "--format", "sympy")
     assert code == 0 and sp.expand(sp.sympify(out, locals=names) - est.components["activations"]) == 0
-    code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed",
+    code, out, _ = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed", "--attention", "eager",
                        "--format", "sympy", "--all")
     # sympify reads the peak back; an evaluated Max of 36 candidates takes sympy ~8 s to
     # compare them, so the test keeps it unevaluated
     unevaluated = {**names, "Max": lambda *args: sp.Max(*args, evaluate=False)}
     assert code == 0 and _same(sp.sympify(out, locals=unevaluated), est.peak)
     # by default: the candidates that bind somewhere on the grid, listed on stderr
-    code, out, err = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed", "--format", "sympy")
+    code, out, err = run(capsys, "formula", "--model", "gpt2", "--precision", "bf16-mixed", "--attention", "eager",
+                         "--format", "sympy")
     few = sp.sympify(out, locals=unevaluated)
     assert code == 0 and len(few.args) == len(est.regions()) < len(est.peak.args)
     assert {sp.expand(x) for x in few.args} == {sp.expand(r.point.total) for r in est.regions()}

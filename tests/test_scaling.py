@@ -20,20 +20,20 @@ N_GPT2 = 124_439_808
 @pytest.fixture(scope="module")
 def est():
     """GPT-2 small, fp32 AdamW on CUDA (foreach): B_w = B_g = B_o = B_a = 4, no master copy."""
-    return sm.estimate(sm.models.preset("gpt2"), sm.Policy("fp32", "adamw"))
+    return sm.estimate(sm.models.preset("gpt2"), sm.Policy("fp32", "adamw", attention="eager"))
 
 
 @pytest.fixture(scope="module")
 def est_master():
     """GPT-2 small, bf16 weights with fp32 master weights and Adam: 2 + 2 + 4 + 4 + 4."""
-    return sm.estimate(sm.models.preset("gpt2"), sm.Policy("bf16-master", "adam"))
+    return sm.estimate(sm.models.preset("gpt2"), sm.Policy("bf16-master", "adam", attention="eager"))
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """h=8, L=1, a=2, V=16, s_max=8, fp32 AdamW on CUDA."""
     cfg = sm.models.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16, n_positions=8)
-    return sm.estimate(sm.models.build_gpt2(cfg), sm.Policy("fp32", "adamw"))
+    return sm.estimate(sm.models.build_gpt2(cfg), sm.Policy("fp32", "adamw", attention="eager"))
 
 
 # --------------------------------------------------------------------------- orders
@@ -249,10 +249,10 @@ def test_bytes_per_parameter_sgd_and_step_counters():
     12 per layer (4 weights, 4 biases, 2 layer norms x 2) + wte, wpe, ln_f (2) -> 12*12 + 4 =
     148 tensors, 592 bytes: 16 + 592/N exactly, and the limit as h -> oo is still 16."""
     g = sm.models.preset("gpt2")
-    sgd = sm.estimate(g, sm.Policy("fp32", "sgd"))
+    sgd = sm.estimate(g, sm.Policy("fp32", "sgd", attention="eager"))
     assert sc.bytes_per_parameter(sgd, limit="h", priced=True) == 8
     assert sc.bytes_per_parameter(sgd, priced=True) == 8
-    cpu = sm.estimate(g, sm.Policy("fp32", "adam", "cpu"))
+    cpu = sm.estimate(g, sm.Policy("fp32", "adam", "cpu", attention="eager"))
     exact = sc.bytes_per_parameter(cpu, priced=True)
     assert exact.xreplace(cpu.bindings) == 16 + sp.Rational(592, N_GPT2)
     assert sc.bytes_per_parameter(cpu, limit=h, priced=True) == 16

@@ -15,7 +15,7 @@ GiB = 2**30
 
 @pytest.fixture(scope="module")
 def gpt2():
-    return sm.estimate(sm.models.preset("gpt2"), sm.Policy("bf16-mixed", "adamw"))
+    return sm.estimate(sm.models.preset("gpt2"), sm.Policy("bf16-mixed", "adamw", attention="eager"))
 
 
 def c1_bytes_per_sequence(est):
@@ -110,7 +110,7 @@ def accumulation_model():
     x = gr.add("linear", x, params=(gr.param("head", (1000, h)),), name="head")
     x = gr.add("log_softmax", x, name="logp")
     gr.add("nll_loss", x, ids, name="loss")
-    return sm.estimate(gr, sm.Policy("fp32", "adamw"))
+    return sm.estimate(gr, sm.Policy("fp32", "adamw", attention="eager"))
 
 
 def test_min_accumulation_steps():
@@ -136,7 +136,7 @@ def cached(precision, optimizer, device, act):
     key = (precision, optimizer, device, act)
     if key not in ESTIMATES:
         cfg = sm.models.GPT2Config(activation_function=act)
-        ESTIMATES[key] = sm.estimate(sm.models.build_gpt2(cfg), sm.Policy(precision, optimizer, device))
+        ESTIMATES[key] = sm.estimate(sm.models.build_gpt2(cfg), sm.Policy(precision, optimizer, device, attention="eager"))
     return ESTIMATES[key]
 
 

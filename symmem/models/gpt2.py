@@ -1,5 +1,6 @@
-"""GPT-2 (and GPT-3's dense architecture) as Hugging Face's ``GPT2LMHeadModel`` runs it
-with ``attn_implementation="eager"``: the GPT-2 family of the model registry.
+"""GPT-2 (and GPT-3's dense architecture) as Hugging Face's ``GPT2LMHeadModel`` runs it:
+the GPT-2 family of the model registry. Its attention core is one ``attention`` node that
+the policy's kernel (eager, SDPA, flash, ...) replaces when the step is estimated.
 
 Every dimension stays a symbol (``b, s, h, a, L, V, s_max`` and ``f`` when the config
 sets ``n_inner``); the config's numbers travel beside the graph as bindings.
@@ -9,13 +10,13 @@ What a ``config.json`` key does here (checked against transformers 5's
 ``symmem.measure``; ``tests/test_models.py`` holds the checks):
 
 * modelled: the fields of :class:`GPT2Config` (sizes, ``n_inner``, the activation,
-  the three dropout probabilities, ``tie_word_embeddings``), also under Hugging Face's
-  generic names (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
-  ``max_position_embeddings``);
+  the three dropout probabilities, ``tie_word_embeddings``, ``attn_implementation``:
+  the kernel ``--attention auto`` takes), also under Hugging Face's generic names
+  (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+  ``max_position_embeddings``, ``_attn_implementation``);
 * refused unless at the default (:data:`UNMODELLED`): ``reorder_and_upcast_attn``
   (float32 copies of Q, K and the scores), ``add_cross_attention`` (a second attention
-  per layer: 4h^2 + 6h parameters), ``attn_implementation`` other than eager (SDPA and
-  flash attention save other tensors), ``gradient_checkpointing`` (recomputation);
+  per layer: 4h^2 + 6h parameters), ``gradient_checkpointing`` (recomputation);
 * ignored (:data:`IGNORED`, each with its reason): among others ``scale_attn_weights``
   and ``scale_attn_by_inverse_layer_idx`` (transformers 5 folds both into the one
   scalar eager attention always multiplies by), ``layer_norm_epsilon``, ``use_cache``
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError, UnknownName
 from ..graph import Graph
+from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, f, h, s, s_max
 from .registry import BOOKKEEPING, Family, Unmodelled, register
 
@@ -56,6 +58,7 @@ class GPT2Config:
     embd_pdrop: float = 0.1
     attn_pdrop: float = 0.1
     tie_word_embeddings: bool = True
+    attn_implementation: str | None = None
     name: str = "gpt2"
 
     def __post_init__(self):
@@ -75,6 +78,8 @@ class GPT2Config:
                 raise ConfigError(key, p, "a dropout probability in [0, 1)")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ConfigError("tie_word_embeddings", self.tie_word_embeddings, "true or false")
+        if self.attn_implementation is not None and self.attn_implementation not in HF_NAMES:
+            raise UnknownName("attn_implementation", self.attn_implementation, tuple(HF_NAMES))
 
     def bindings(self) -> dict:
         out = {h: self.n_embd, L: self.n_layer, a: self.n_head, V: self.vocab_size,
@@ -92,6 +97,8 @@ def _positive_int(key, value):
 def build_gpt2(cfg: GPT2Config) -> Graph:
     """The operator graph of one GPT-2 training forward, loss included."""
     g = Graph(cfg.name, cfg.bindings())
+    if cfg.attn_implementation is not None:
+        g.attention = HF_NAMES[cfg.attn_implementation]
     ffn = f if cfg.n_inner is not None else 4 * h
     act = ACTIVATIONS[cfg.activation_function]
     g.require(s, s_max, "the sequence length cannot exceed n_positions, the rows of the position embedding")
@@ -118,17 +125,13 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
         qkv = conv1d("attn.c_attn", y, h, 3 * h)
         q, k, v = (g.add("heads", g.add("split", qkv, parts=3, index=i, name=f"h/attn/{n}"),
                          heads=a, name=f"h/attn/{n}_heads") for i, n in enumerate("qkv"))
-        # the attention core (eager_attention_forward): what selective recomputation redoes
+        # the attention core, as the policy's kernel computes it (symmem.passes.attention);
+        # eager multiplies by `scaling` whatever scale_attn_weights says (1.0 when it is
+        # false): the same tensors either way. GPT2Block keeps the returned attention
+        # weights (eager's probabilities) until it returns. What selective recomputation redoes.
         with g.scope(recompute="attention"):
-            z = g.add("matmul", q, k, transpose_b=True, name="h/attn/scores")
-            # eager_attention_forward multiplies by `scaling` whatever scale_attn_weights says
-            # (1.0 when it is false): the same tensors either way.
-            z = g.add("scale", z, name="h/attn/scale")
-            z = g.add("add", z, mask, name="h/attn/mask")
-            z = g.add("softmax", z, name="h/attn/softmax")
-            z = g.add("to_compute", z, name="h/attn/probs")
-            z = g.add("dropout", z, p=cfg.attn_pdrop, name="h/attn/attn_dropout")
-            z = g.add("matmul", z, v, name="h/attn/context")
+            z = g.add("attention", q, k, v, mask, dropout=cfg.attn_pdrop, causal=True,
+                      weights_until="h/mlp/residual", name="h/attn/context")
         z = g.add("merge_heads", z, name="h/attn/merge")
         z = conv1d("attn.c_proj", z, h, h)
         z = g.add("dropout", z, p=cfg.resid_pdrop, name="h/attn/resid_dropout")
@@ -143,7 +146,6 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
         # value views of c_attn's output; the attention weights (returned, then kept in `_`);
         # the layer norms' outputs (until `hidden_states` is reassigned); `attn_output`
         g.hold(qkv, until="h/attn/resid_dropout")
-        g.hold("h/attn/attn_dropout", until=out)
         g.hold("h/ln_1", until="h/attn/residual")
         g.hold("h/attn/resid_dropout", until=out)
         g.hold("h/ln_2", until=out)
@@ -188,7 +190,8 @@ HF_IDS = {"gpt2": "openai-community/gpt2", "gpt2-medium": "openai-community/gpt2
 
 #: Hugging Face's GPT2Config.attribute_map: the generic names map onto GPT-2's own.
 ALIASES = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer",
-           "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}
+           "num_attention_heads": "n_head", "max_position_embeddings": "n_positions",
+           "_attn_implementation": "attn_implementation"}
 
 #: The sizes a config.json must give; every other field takes transformers' default.
 REQUIRED = ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")
@@ -201,10 +204,6 @@ UNMODELLED = (
     Unmodelled("add_cross_attention", (False,),
                "cross-attention adds a second attention and layer norm to every layer: "
                "4*h^2 + 6*h parameters more per layer"),
-    Unmodelled("attn_implementation", (None, "eager"),
-               "SDPA and flash attention save other tensors than the eager attention"),
-    Unmodelled("_attn_implementation", (None, "eager"),
-               "SDPA and flash attention save other tensors than the eager attention"),
     Unmodelled("gradient_checkpointing", (False,),
                "transformers then recomputes every block in backward; symmem models no "
                "recomputation yet"),

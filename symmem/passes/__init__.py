@@ -12,12 +12,13 @@ schedules, inference) are further modules here.
 """
 from __future__ import annotations
 
-from . import accumulate, recompute
+from . import accumulate, attention, recompute
 
-__all__ = ["PASSES", "prepare", "run", "recompute", "accumulate"]
+__all__ = ["PASSES", "prepare", "run", "attention", "recompute", "accumulate"]
 
-#: The passes, in the order they rewrite a plan.
-PASSES = (recompute, accumulate)
+#: The passes, in the order they rewrite a graph and a plan: the attention kernel first, so
+#: that recomputation sees the kernel's operators.
+PASSES = (attention, recompute, accumulate)
 
 
 def prepare(graph, policy):

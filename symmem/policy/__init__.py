@@ -11,7 +11,9 @@ Each part is chosen from a registry (:mod:`symmem.policy.registry`), one module 
   measure): dropout, wrapped scalars and the default implementation differ;
 - ``recompute`` (:mod:`~symmem.policy.recompute`): activation recomputation;
 - ``accumulate``: micro-batches per optimizer step (gradient accumulation);
-- ``attention`` and ``parallel`` (:mod:`~symmem.policy.slots`): one entry each today.
+- ``attention`` (:mod:`~symmem.policy.attention`): the attention kernel (eager, SDPA and
+  its backends); ``auto`` resolves to the model's own or ``sdpa``;
+- ``parallel`` (:mod:`~symmem.policy.slots`): one entry today.
 
 :data:`PARTS` describes every part for the command line, which generates its options,
 their ``--help`` and ``symmem policies`` from it.
@@ -28,7 +30,8 @@ from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
 from .recompute import RECOMPUTE, Recompute
 from .registry import Registry
-from .slots import ATTENTION, DEVICES, PARALLEL
+from .attention import ATTENTION
+from .slots import DEVICES, PARALLEL
 
 __all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "Registry",
            "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION", "PARALLEL"]
@@ -46,7 +49,7 @@ class Policy:
     implementation: str = "auto"
     recompute: Recompute | str = "none"
     accumulate: int = 1
-    attention: str = "eager"
+    attention: str = "auto"
     parallel: str = "none"
 
     def __post_init__(self):
@@ -85,9 +88,12 @@ class Policy:
         """Numbers for the byte symbols. Optimizer states are float32 (the master dtype)."""
         return self.prec.bindings(sp.Integer(4))
 
-    def describe(self) -> str:
+    def describe(self, kernels: tuple = ()) -> str:
+        """The policy in words; ``kernels``: the attention kernels ``sdpa`` picked, named
+        beside it (``attention sdpa (flash)``)."""
+        att = self.attention + (f" ({', '.join(kernels)})" if self.attention == "sdpa" and kernels else "")
         out = (f"{self.precision} ({self.prec.description}); {self.optimizer} "
-               f"[{self.impl}] ({self.opt.description}); device {self.device}")
+               f"[{self.impl}] ({self.opt.description}); device {self.device}; attention {att}")
         if self.recompute.mode != "none":
             out += f"; recompute {self.recompute}"
         if self.accumulate > 1:

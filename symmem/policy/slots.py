@@ -1,12 +1,12 @@
-"""Policy parts with one entry today, each a registry later issues fill: the device, the
-attention kernel and the parallel layout."""
+"""Policy parts with a few entries, each a registry later issues fill: the device and the
+parallel layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .registry import Registry
 
-__all__ = ["Choice", "DEVICES", "ATTENTION", "PARALLEL"]
+__all__ = ["Choice", "DEVICES", "PARALLEL"]
 
 
 @dataclass(frozen=True)
@@ -20,10 +20,6 @@ DEVICES.register(Choice("cuda", "a CUDA GPU (what users train on): 1-byte dropou
                                 "layer-norm statistics, foreach optimizers, step counters on the host"))
 DEVICES.register(Choice("cpu", "the CPU (what the tests measure): dropout keeps its noise tensor, "
                                "Python scalars saved as 8-byte tensors, for-loop optimizers"))
-
-ATTENTION = Registry("attention kernel")
-ATTENTION.register(Choice("eager", "explicit attention, as Hugging Face's attn_implementation=\"eager\": "
-                                   "the b*a*s^2 scores and probabilities are materialised"))
 
 PARALLEL = Registry("parallel layout")
 PARALLEL.register(Choice("none", "one device: no data, tensor, pipeline or context parallelism"))

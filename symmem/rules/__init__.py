@@ -34,6 +34,8 @@ Layout (module -> rules):
 - ``elementwise``: add, scale, dropout, gelu, gelu_new, relu, to_compute, to_float32;
 - ``normalization``: layer_norm, softmax, log_softmax;
 - ``linalg``: linear, matmul;
+- ``attention``: attention (the node a model writes; the attention pass replaces it),
+  sdpa_kernel (flash, mem-efficient, cuDNN), sdpa_causal_mask;
 - ``embeddings``: embedding, position_embedding, causal_mask;
 - ``losses``: nll_loss.
 
@@ -48,6 +50,7 @@ from .autocast import AUTOCAST, CAST_POLICIES, autocast_policy
 from .core import (BOOL, F32, F64, I64, RULES, Ctx, DType, Footprint, NodeLike, Rule, Saved,
                    TensorInfo, get_rule, infer_shape, rule)
 # the kind modules register their rules on import
+from .attention import attention_rule, sdpa_causal_mask_rule, sdpa_kernel_rule
 from .elementwise import (add_rule, dropout_rule, gelu_new_rule, gelu_rule, relu_rule, scale_rule,
                           to_compute_rule, to_float32_rule)
 from .embeddings import causal_mask_rule, embedding_rule, position_embedding_rule

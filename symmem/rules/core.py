@@ -94,10 +94,14 @@ class Ctx:
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """A tensor as a rule sees it. ``seq_major``: a (b, a, s, d) tensor stored as
+    (b, s, a, d), as the flash kernels write their output, so that merging its heads back
+    is a view, not a copy."""
     shape: tuple
     dtype: DType
     contiguous: bool = True
     requires_grad: bool = True
+    seq_major: bool = False
 
     @property
     def numel(self) -> sp.Expr:

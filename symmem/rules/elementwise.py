@@ -3,6 +3,8 @@ dtype conversions. None of them is on an autocast list except ``pow`` inside
 ``gelu_new`` (float32 on CUDA; see :mod:`symmem.rules.autocast`)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy as sp
 
 from ..errors import ShapeError
@@ -30,23 +32,32 @@ def _broadcast(node, x: tuple, y: tuple) -> tuple:
 @rule("add")
 def add_rule(node, ins, ctx):
     """``x + y`` saves nothing. Backward hands the gradient to both inputs; an input of
-    another dtype or a broadcast shape gets its own converted/reduced gradient."""
+    another dtype or a broadcast shape gets its own converted/reduced gradient.
+    ``inplace=True``: ``x.add_(y)``, written into x's storage (x must have the result's
+    shape and dtype)."""
     x, y = ins
     shape = _broadcast(node, x.shape, y.shape)
     dt = _promote(x.dtype, y.dtype)
     out = TensorInfo(shape, dt, True, x.requires_grad or y.requires_grad)
     grads = tuple(None if not t.requires_grad else
                   ("pass" if tuple(t.shape) == shape and t.dtype == dt else "new") for t in ins)
+    if node.attr("inplace"):
+        if tuple(x.shape) != shape or x.dtype != dt:
+            raise ShapeError(node.name, (x.shape, y.shape), "an in-place add into a tensor of the result's shape")
+        return Footprint(replace(out, contiguous=x.contiguous), alias=0, grads=grads)
     return Footprint(out, grads=grads)
 
 
 @rule("scale")
 def scale_rule(node, ins, ctx):
     """``x * c`` for a Python number c: PyTorch wraps c in a 0-dim float64 tensor and
-    MulBackward saves it: 8 bytes, in host memory (so 0 bytes on the GPU under CUDA)."""
+    MulBackward saves it: 8 bytes, in host memory (so 0 bytes on the GPU under CUDA).
+    ``scalar="c++"``: ATen's ``mul.Scalar`` from C++ (SDPA's math kernel), which saves
+    nothing. The output keeps x's layout (a transposed x gives a transposed output)."""
     x = ins[0]
-    saved = (Saved("scalar", "new", sp.Integer(1), F64, hooked=False),) if ctx.device == "cpu" else ()
-    return Footprint(TensorInfo(x.shape, x.dtype, True, x.requires_grad), saved=saved, grads=_grads(ins))
+    python = node.attr("scalar", "python") == "python"
+    saved = (Saved("scalar", "new", sp.Integer(1), F64, hooked=False),) if python and ctx.device == "cpu" else ()
+    return Footprint(TensorInfo(x.shape, x.dtype, x.contiguous, x.requires_grad), saved=saved, grads=_grads(ins))
 
 
 @rule("dropout")
@@ -110,17 +121,18 @@ def relu_rule(node, ins, ctx):
 
 @rule("to_compute")
 def to_compute_rule(node, ins, ctx):
-    """``x.type(v.dtype)``: a copy into the compute dtype, or x itself when it has it."""
+    """``x.type(v.dtype)``: a copy into the compute dtype (in x's layout), or x itself when
+    it has it."""
     x = ins[0]
     if ctx.same(x.dtype, ctx.act):
         return Footprint(x, alias=0, grads=_grads(ins, "pass"))
-    return Footprint(TensorInfo(x.shape, ctx.act, True, x.requires_grad), grads=_grads(ins))
+    return Footprint(TensorInfo(x.shape, ctx.act, x.contiguous, x.requires_grad), grads=_grads(ins))
 
 
 @rule("to_float32")
 def to_float32_rule(node, ins, ctx):
-    """``x.float()``: a float32 copy, or x itself when it is float32 already."""
+    """``x.float()``: a float32 copy (in x's layout), or x itself when it is float32 already."""
     x = ins[0]
     if ctx.same(x.dtype, F32):
         return Footprint(x, alias=0, grads=_grads(ins, "pass"))
-    return Footprint(TensorInfo(x.shape, F32, True, x.requires_grad), grads=_grads(ins))
+    return Footprint(TensorInfo(x.shape, F32, x.contiguous, x.requires_grad), grads=_grads(ins))

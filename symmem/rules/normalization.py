@@ -4,6 +4,8 @@ fp32_set_opt_dtype list); CPU autocast leaves them alone (see
 :mod:`symmem.rules.autocast`)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .core import F32, Footprint, Saved, TensorInfo, _grads, rule
 
 __all__ = ["layer_norm_rule", "softmax_rule", "log_softmax_rule"]
@@ -51,8 +53,14 @@ def _softmax(ins, ctx, op: str, label: str) -> Footprint:
 @rule("softmax")
 def softmax_rule(node, ins, ctx):
     """``F.softmax(x, -1)`` saves its output (SoftmaxBackward: result). CUDA autocast runs
-    it in float32; CPU autocast leaves it in x's dtype."""
-    return _softmax(ins, ctx, "softmax.int", "softmax output")
+    it in float32; CPU autocast leaves it in x's dtype. ``safe=True``: ATen's
+    ``_safe_softmax`` (SDPA's math kernel), whose kernel also holds a bool ``isneginf`` of
+    x's shape and a bool row flag while it runs (1 byte per element, ``attention.cpp``)."""
+    fp = _softmax(ins, ctx, "softmax.int", "softmax output")
+    if node.attr("safe"):
+        x = ins[0]
+        fp = replace(fp, fwd_temp=x.numel + x.numel / x.shape[-1])
+    return fp
 
 
 @rule("log_softmax")

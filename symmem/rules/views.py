@@ -55,8 +55,11 @@ def heads_rule(node, ins, ctx):
 @rule("merge_heads")
 def merge_heads_rule(node, ins, ctx):
     """``x.transpose(1, 2).reshape(b, s, h)``: the transpose is a view, the reshape of a
-    non-contiguous tensor copies. Backward hands the gradient on as views."""
+    non-contiguous tensor copies; a tensor stored sequence-major (a flash kernel's output)
+    is contiguous once transposed, so it is a view. Backward hands the gradient on as views."""
     x = ins[0]
     bb, aa, ss, dd = x.shape
-    return Footprint(TensorInfo((bb, ss, aa * dd), x.dtype, True, x.requires_grad),
-                     grads=_grads(ins, "pass"))
+    out = TensorInfo((bb, ss, aa * dd), x.dtype, True, x.requires_grad)
+    if x.seq_major:
+        return Footprint(out, alias=0, grads=_grads(ins, "pass"))
+    return Footprint(out, grads=_grads(ins, "pass"))

@@ -1,0 +1,167 @@
+"""The attention kernel: each ``attention`` node of the graph replaced by its kernel's
+operators, as a decomposition in torch.fx replaces a call by the calls it makes.
+
+A model writes its attention core as one node, ``g.add("attention", q, k, v, mask,
+dropout=p, causal=True, weights_until=...)``, whose output is the (b, a, s, d) context.
+:func:`prepare` resolves the policy's kernel (:mod:`symmem.policy.attention`: ``sdpa``
+picks its backend per device, dtype and dropout as PyTorch does) and rewrites the node:
+
+- ``eager``: ``matmul(q, k^T)``, ``* scaling`` (a Python number: an 8-byte wrapped scalar
+  on the CPU), ``+ mask``, softmax, the cast to the value's dtype, dropout,
+  ``matmul(probs, v)``; the probabilities are returned and kept by the model until
+  ``weights_until`` has run (Hugging Face's blocks hold ``attn_weights``);
+- ``math`` (``_scaled_dot_product_attention_math``): half inputs upcast to float32 (on
+  the CPU), q and k each scaled by ``sqrt(scale)`` (a C++ scalar: nothing saved), the
+  causal mask built as an (s, s) additive tensor, ``matmul``, ``+ mask``, softmax,
+  dropout, ``matmul(probs, v)``, the output cast back;
+- ``flash``, ``mem-efficient``, ``cudnn``: one ``sdpa_kernel`` node (its rule in
+  :mod:`symmem.rules.attention`).
+
+Every kernel but eager is called with ``is_causal=True`` and no mask: transformers'
+``create_causal_mask`` returns None for them when nothing is padded, so the model's
+``causal_mask`` node is removed too. The replacement's nodes keep the attention node's
+scope attributes (``recompute="attention"`` for selective recomputation).
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from ..graph import Graph
+from ..policy.attention import check_kernel, resolve, sdpa_backend
+
+__all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS"]
+
+#: The attention node's own attributes (the others are scope attributes its replacement keeps;
+#: it adds ``attention_kernel``, the kernel that made it).
+OWN_ATTRS = ("dropout", "causal", "weights_until")
+
+
+def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple[str, tuple]:
+    """The concrete kernel ``policy.attention`` runs for one attention node (``auto``: the
+    model's own, ``model_choice``, else sdpa), and what it needs of a symbolic head
+    dimension (:class:`~symmem.policy.attention.HeadDim`)."""
+    kernel = resolve(policy.attention, model_choice)
+    if kernel == "sdpa":
+        return sdpa_backend(policy.device, dtype, dropout, head_dim)
+    return kernel, check_kernel(kernel, policy.device, dtype, head_dim)
+
+
+def prepare(graph: Graph, policy) -> Graph:
+    """The graph with every attention node replaced by the operators of its kernel."""
+    ctx = policy.ctx()
+    dtype = ctx.act_name
+    needs = []
+    masks_read_elsewhere = _read_by_other_ops(graph)
+
+    def rewrite(node, sub: Graph) -> bool:
+        if node.op == "causal_mask":      # removed where only attention reads it: is_causal instead
+            return (resolve(policy.attention, graph.attention) != "eager"
+                    and node.name not in masks_read_elsewhere)
+        if node.op != "attention":
+            return False
+        q, k, v = node.inputs[:3]
+        p = node.attr("dropout", 0.0)
+        d = sp.sympify(sub.shape(q)[-1])
+        kernel, head_needs = kernel_of(policy, dtype, p, d.xreplace(graph.bindings), graph.attention)
+        needs.extend(n.requirement(d) for n in head_needs)
+        scope = {key: value for key, value in node.attrs if key not in OWN_ATTRS}
+        with sub.scope(**scope, attention_kernel=kernel):
+            KERNELS[kernel](node, sub, ctx)
+        return True
+
+    out = graph.rewritten(rewrite)
+    for lhs, rhs, reason, kind in dict.fromkeys(needs):
+        out.require(lhs, rhs, reason, kind=kind)
+    return out
+
+
+def kernels(graph: Graph) -> tuple[str, ...]:
+    """The attention kernels a prepared graph runs, in order of first use."""
+    out = []
+    for item in graph.items:
+        found = kernels(item.body) if hasattr(item, "body") else (item.attr("attention_kernel"),)
+        out += [k for k in found if k and k not in out]
+    return tuple(out)
+
+
+def _read_by_other_ops(graph: Graph) -> set:
+    """The values some node other than an attention node reads (bodies included)."""
+    out = set()
+    for item in graph.items:
+        if hasattr(item, "body"):
+            out |= _read_by_other_ops(item.body) | set(item.carried)
+        elif item.op != "attention":
+            out |= set(item.inputs)
+    return out
+
+
+def apply(plan, graph, policy):
+    """Nothing to rewrite in the plan: :func:`prepare` did it in the graph."""
+    return plan
+
+
+def _prefix(node) -> str:
+    return node.name.rsplit("/", 1)[0] + "/" if "/" in node.name else ""
+
+
+def _eager(node, g: Graph, ctx) -> None:
+    q, k, v, *mask = node.inputs
+    pre = _prefix(node)
+    z = g.add("matmul", q, k, transpose_b=True, name=pre + "scores")
+    z = g.add("scale", z, name=pre + "scale")
+    if mask:
+        z = g.add("add", z, mask[0], name=pre + "mask")
+    z = g.add("softmax", z, name=pre + "softmax")
+    z = g.add("to_compute", z, name=pre + "probs")
+    z = g.add("dropout", z, p=node.attr("dropout", 0.0), name=pre + "attn_dropout")
+    g.add("matmul", z, v, name=node.name)
+    if node.attr("weights_until"):
+        g.hold(z, until=node.attr("weights_until"))
+
+
+def _math(node, g: Graph, ctx) -> None:
+    with g.scope(autocast=False):      # autocast casts at scaled_dot_product_attention's entry
+        _math_ops(node, g, ctx)
+
+
+def _math_ops(node, g: Graph, ctx) -> None:
+    """``_scaled_dot_product_attention_math`` (``aten/src/ATen/native/transformers/attention.cpp``),
+    op by op, with what its C++ locals keep until it returns."""
+    q, k, v = node.inputs[:3]
+    pre = _prefix(node)
+    upcast = ctx.act_name != "float32"      # half inputs run in float32, on every device
+    if upcast:
+        q, k, v = (g.add("to_float32", x, name=f"{pre}{n}_float") for x, n in zip((q, k, v), "qkv"))
+        for x in (q, k, v):                 # query_acc, key_acc, value_acc
+            g.hold(x, until=node.name)
+    qs = g.add("scale", q, scalar="c++", name=pre + "q_scaled")
+    mask = None
+    if node.attr("causal"):
+        mask = g.add("sdpa_causal_mask", q, name=pre + "causal_mask")
+        g.hold(mask, until=node.name)       # the local attn_mask
+    ks = g.add("scale", k, scalar="c++", name=pre + "k_scaled")
+    z = g.add("matmul", qs, ks, transpose_b=True, name=pre + "scores")
+    if mask:
+        z = g.add("add", z, mask, inplace=True, name=pre + "masked")
+    z = g.add("softmax", z, safe=True, name=pre + "softmax")
+    z = g.add("dropout", z, p=node.attr("dropout", 0.0), name=pre + "attn_dropout")
+    if upcast:
+        # `attn.to(origin_dtype)`, the second value returned and dropped by the caller, is
+        # made before the final matmul and lives until the function returns
+        probs = g.add("to_compute", z, name=pre + "probs_returned")
+        g.hold(probs, until=node.name)
+        z = g.add("matmul", z, v, name=pre + "context_float")
+        g.add("to_compute", z, name=node.name)
+    else:
+        g.add("matmul", z, v, name=node.name)
+
+
+def _fused(kernel):
+    def build(node, g: Graph, ctx) -> None:
+        q, k, v = node.inputs[:3]
+        g.add("sdpa_kernel", q, k, v, kernel=kernel, dropout=node.attr("dropout", 0.0), name=node.name)
+    return build
+
+
+KERNELS = {"eager": _eager, "math": _math, "flash": _fused("flash"),
+           "mem-efficient": _fused("mem-efficient"), "cudnn": _fused("cudnn")}
