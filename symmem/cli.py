@@ -256,6 +256,9 @@ def policy_inputs(policy: Policy) -> dict:
     PyTorch would pick for ``auto``."""
     out = {part.field: getattr(policy, part.field) for part in PARTS}
     out["recompute"] = str(policy.recompute)
+    out["lora"] = None if policy.lora is None else (str(policy.lora.rank) if not str(policy.lora.rank).isdigit()
+                                                     else int(policy.lora.rank))
+    out["lora_targets"] = list(policy.lora_targets) if policy.lora_targets else None
     out["implementation_resolved"] = policy.impl
     return out
 
@@ -589,7 +592,12 @@ def _policy_entries(part) -> list[tuple[str, str]]:
         return [(m.syntax, m.description) for m in RECOMPUTE.values()]
     if part.registry is not None:
         return [(e.name, e.description) for e in part.registry.values()]
-    return [("K", "a whole number >= 1 (1: no gradient accumulation)")]
+    return {"accumulate": [("K", "a whole number >= 1 (1: no gradient accumulation)")],
+            "lora": [("none", "no adapters: every weight trained"),
+                     ("R", "a rank >= 1: adapters A (R x in) and B (out x R) beside each target"),
+                     ("r", "the rank as the symbol r, which stays in the formulas")],
+            "lora_targets": [("NAMES", "module names, comma-separated (c_attn, c_proj, c_fc, lm_head for GPT-2)")],
+            }[part.field]
 
 
 def cmd_policies(args) -> int:

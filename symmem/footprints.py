@@ -137,8 +137,15 @@ class _Tracer:
             inputs = tuple(self.where(v, copy, rep) for v in node.inputs)
         ctx = self.ctx if node.attr("autocast", True) else replace(self.ctx, autocast=False)
         fp = get_rule(node.op)(node, [t.info[i] for i in inputs], ctx)
-        if node.params and not fp.out.requires_grad:
+        grad = any(t.info[i].requires_grad for i in inputs) or any(p.trainable for p in node.params)
+        if node.op in ("input", "carry"):
+            pass
+        elif grad and not fp.out.requires_grad and node.params:
             fp = replace(fp, out=replace(fp.out, requires_grad=True))
+        elif not grad:    # autograd records nothing: what the op would save is made and dropped
+            made = sum((sv.nbytes for sv in fp.saved if sv.ref == "new" and not sv.brief), sp.Integer(0))
+            fp = replace(fp, out=replace(fp.out, requires_grad=False), saved=(), fwd_temp=fp.fwd_temp + made,
+                         bwd_temp=sp.Integer(0), late_inputs=(), late_params=False, reduced_params=())
         own = rep.body._params if rep is not None else {}
         params = tuple(Key("param", p.name, copy if p.name in own else 0) for p in node.params)
         out = t.storage[inputs[fp.alias]] if fp.alias is not None else Key("value", node.name, copy)

@@ -56,9 +56,12 @@ def _numel(shape: Shape) -> sp.Expr:
 
 @dataclass(frozen=True)
 class Param:
-    """A named trainable tensor. Tying = using the same Param object twice."""
+    """A named tensor of the model's weights. Tying = using the same Param object twice.
+    ``trainable`` False: frozen (``requires_grad=False``): no gradient, no optimizer state,
+    and the ops that read it save only what the other inputs' gradients need."""
     name: str
     shape: Shape
+    trainable: bool = True
 
     @property
     def numel(self) -> sp.Expr:
@@ -293,9 +296,10 @@ class Graph:
                     out.setdefault(p.name, (p, sp.Integer(1)))
         return list(out.values())
 
-    def param_count(self) -> sp.Expr:
-        """Total trainable elements N (tied weights once)."""
-        return sp.expand(sum((p.numel * m for p, m in self.params()), sp.Integer(0)))
+    def param_count(self, trainable_only: bool = False) -> sp.Expr:
+        """Total parameter elements N (tied weights once); ``trainable_only``: those not frozen."""
+        return sp.expand(sum((p.numel * m for p, m in self.params() if p.trainable or not trainable_only),
+                             sp.Integer(0)))
 
     def buffers(self) -> list[tuple[Node, sp.Expr]]:
         """Buffer nodes with multiplicity (one in a repeated body counts ``count`` times)."""
@@ -352,6 +356,7 @@ class Graph:
                                          f"a replacement whose last node is {item.name!r} of shape {item.shape}")
                     if not sub.items:
                         removed.add(item.name)
+                    g._params.update(sub._params)      # parameters the replacement declared
                     for n in sub.items:
                         if n.name != item.name and n.name in g._taken:
                             raise ConfigError("node name", n.name, "a name not used before in this graph")
@@ -372,6 +377,34 @@ class Graph:
                 if x not in g._shapes:
                     raise ConfigError("value to hold", x, f"a value defined in {self.name!r} itself")
         return g
+
+    def with_params(self, fn: Callable) -> "Graph":
+        """This graph with every parameter ``p`` replaced by ``fn(p)`` (a frozen copy, say),
+        in its nodes and its repeated bodies; tied weights stay tied (``fn`` sees one name)."""
+        cache: dict = {}
+
+        def new(p):
+            if p.name not in cache:
+                cache[p.name] = fn(p)
+            return cache[p.name]
+
+        def rewrite(node, sub) -> bool:
+            if not node.params:
+                return False
+            sub.items.append(replace(node, params=tuple(new(p) for p in node.params)))
+            return True
+
+        out = self.rewritten(rewrite)
+        for g in out.graphs():
+            g._params = {n: new(p) for n, p in g._params.items()}
+        return out
+
+    def graphs(self):
+        """This graph and every repeated body in it, nested ones too."""
+        yield self
+        for item in self.items:
+            if isinstance(item, Repeat):
+                yield from item.body.graphs()
 
     def unrolled(self) -> "Graph":
         """The same graph with every Repeat of a numeric count written out. Each node of
@@ -420,6 +453,23 @@ class Graph:
         g.requirements = g.requirements + tuple(dict.fromkeys(reqs))
         return g
 
+    def with_shared_layers(self, block: str) -> "Graph":
+        """The layers of the repeated block ``block`` share one set of weights, as ALBERT's
+        do (Lan et al. 2019): its parameters are counted once, not once per layer; each
+        layer still computes, and saves for backward, its own activations, and backward
+        sums the layers' gradients into one per weight."""
+        i, rep = self._repeat_item(block)
+        body = Graph(rep.body.name, dict(rep.body.bindings), list(rep.body.items), self, rep.body.externals,
+                     rep.body.outputs, rep.body.requirements, dict(rep.body._shapes), {}, rep.body._taken,
+                     locals=rep.body.locals, attention=rep.body.attention)
+        clash = [n for n in rep.body._params if n in self._params]
+        if clash:
+            raise ConfigError("parameter name", clash[0], f"a name the block {block!r} does not share with "
+                              "the rest of the model")
+        g = self._copy(self.items[:i] + [replace(rep, body=body)] + self.items[i + 1:])
+        g._params = {**self._params, **rep.body._params}
+        return g
+
     def split_layers(self, block: str, at) -> "Graph":
         """The block ``block`` as consecutive blocks split before each layer index in ``at``
         (numbers, or expressions in the block's count): block ``name[a:z]`` holds layers
@@ -466,7 +516,7 @@ class Graph:
             body.items += nodes
             for n in nodes:
                 body._shapes[n.name] = n.shape
-            body._params.update({f"{j}.{p.name}": Param(f"{j}.{p.name}", p.shape) for p in rep.body._params.values()})
+            body._params.update({f"{j}.{p.name}": replace(p, name=f"{j}.{p.name}") for p in rep.body._params.values()})
         new = Repeat(rep.name, sp.expand(rep.count / k), body, rep.carried, prev, rep.shape, rep.names)
         g = self._copy(self.items[:i] + [new] + self.items[i + 1:])
         g.require(k, rep.count, f"the block {block!r} is recomputed {k} layers at a time", kind="divides")
@@ -625,7 +675,7 @@ def _renamed_body(rep: Repeat, prefix: str, param_prefix: str, carried: tuple, s
             continue
         new = prefix + sep + node.name.split("/", 1)[1] if "/" in node.name else prefix + sep + node.name
         ren[node.name] = new
-        params = tuple(Param(param_prefix + p.name, p.shape) if p.name in rep.body._params else p
+        params = tuple(replace(p, name=param_prefix + p.name) if p.name in rep.body._params else p
                        for p in node.params)
         nodes.append(Node(new, node.op, tuple(ren.get(x, x) for x in node.inputs), params, node.attrs,
                           node.shape))

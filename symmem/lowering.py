@@ -92,21 +92,26 @@ class _Lowering:
     def _states(self):
         graph, policy = self.graph, self.policy
         params = graph.params()
+        trained = [(p, m) for p, m in params if p.trainable]   # frozen: no gradient, master or state
         N = sp.expand(sum((p.numel * m for p, m in params), ZERO))
-        tensors = sp.expand(sum((m for _, m in params), ZERO))
+        T = sp.expand(sum((p.numel * m for p, m in trained), ZERO))
+        tensors = sp.expand(sum((m for _, m in trained), ZERO))
         opt, prec = policy.opt, policy.prec
         buffers = [(node, m, self.info[(node.name, 0 if m == 1 else 1)].nbytes) for node, m in graph.buffers()]
-        components = {"params": N * B_w, "grads": N * B_g,
-                      "master": N * B_m if prec.master else ZERO,
-                      "optimizer": opt.states * N * B_o + (4 * tensors if policy.step_on_device else 0),
+        components = {"params": N * B_w, "grads": T * B_g,
+                      "master": T * B_m if prec.master else ZERO,
+                      "optimizer": sp.expand(sum((opt.state_elements(p) * m for p, m in trained), ZERO)) * B_o
+                      + (4 * tensors if policy.step_on_device else 0),
                       "buffers": sp.expand(sum((nb * m for _, m, nb in buffers), ZERO))}
         events = []
         for p, m in params:
             events.append(Alloc(Key("param", p.name), p.numel * B_w, "params", m))
+            if not p.trainable:
+                continue
             if prec.master:
                 events.append(Alloc(Key("master", p.name), p.numel * B_m, "master", m))
-            if opt.states:
-                events.append(Alloc(Key("state", p.name), opt.states * p.numel * B_o, "optimizer", m))
+            if opt.state_elements(p) != 0:
+                events.append(Alloc(Key("state", p.name), opt.state_elements(p) * B_o, "optimizer", m))
             if policy.step_on_device:
                 events.append(Alloc(Key("step", p.name), sp.Integer(4), "optimizer", m))
         for node, m, nbytes in buffers:
@@ -218,7 +223,7 @@ class _Lowering:
             tied = ZERO
             for i, (p, key) in enumerate(zip(inst.node.params, inst.params)):
                 kind = "late" if fp.late_param(i) else "reduced" if i in fp.reduced_params else "now"
-                if kind != when:
+                if kind != when or not p.trainable:     # a frozen weight gets no gradient
                     continue
                 if key in seen:           # a tied weight: a second gradient, added in below
                     tied += p.numel * B_g
@@ -258,22 +263,25 @@ class _Lowering:
         policy, graph = self.policy, self.graph
         events = []
         if policy.prec.master:
-            events.append(Alloc(Key("master grads", "all"), graph.param_count() * B_m, "transient"))
-        order = [(p.name, p.numel) for p in _param_order(graph.items)]
-        for where, temp in policy.opt.step_temps(policy.impl, order, graph.param_count()):
+            events.append(Alloc(Key("master grads", "all"), graph.param_count(trainable_only=True) * B_m,
+                                "transient"))
+        order = [p for p in _param_order(graph.items) if p.trainable]
+        trained = [(p, m) for p, m in graph.params() if p.trainable]
+        for where, temp in policy.opt.step_temps(policy.impl, order, trained):
             events.append(Mark("optimizer", where, (("transient", temp),)))
         return events
 
 
 def _param_order(items, seen=None) -> list:
-    """Parameters in the order the optimizer meets them; a repeated body's twice."""
+    """Parameters in the order the optimizer meets them; a repeated body's own twice (its
+    shared ones, :meth:`~symmem.graph.Graph.with_shared_layers`, once)."""
     seen = set() if seen is None else seen
     out = []
     for item in items:
         if isinstance(item, Repeat):
             body = _param_order(item.body.items, set(seen))
             seen.update(p.name for p in body)
-            out += body + body
+            out += body + [p for p in body if p.name in item.body._params]   # shared weights once
         else:
             for p in item.params:
                 if p.name not in seen:

@@ -299,7 +299,7 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
                 "value": sol.value, "at": sol.at_value.peak,
                 "past": None if sol.past_value is None else sol.past_value.peak,
                 "binding": sol.binding.where, "limit": sol.limit, "boundary": boundary}},
-        "rules": _rules(est.graph),
+        "rules": _rules(est.prepared),      # the operators counted: the kernels' own
         "sources": SOURCES,
     }
 

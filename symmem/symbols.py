@@ -18,7 +18,7 @@ from .errors import UnknownName
 
 __all__ = [
     "SymbolInfo", "TABLE", "symbol", "latex_names",
-    "b", "s", "h", "a", "L", "V", "f", "k", "s_max", "G", "g", "t", "d", "M", "R",
+    "b", "s", "h", "a", "L", "V", "f", "k", "s_max", "r", "G", "g", "t", "d", "M", "R",
     "B_w", "B_g", "B_m", "B_o", "B_a",
     "DIMENSIONS", "BYTE_SYMBOLS",
 ]
@@ -49,6 +49,7 @@ _INFOS = [
     _dim("f", "f", "feed-forward (MLP) width"),
     _dim("k", "k", "key/value heads"),
     _dim("s_max", r"s_{\max}", "maximum positions (rows of the position embedding)"),
+    _dim("r", "r", "LoRA adapter rank"),
     _dim("G", "G", "global batch (sequences per optimizer step, per data-parallel rank)"),
     _dim("g", "g", "gradient-accumulation steps (micro-batches per optimizer step)"),
     _dim("t", "t", "tensor-parallel degree"),
@@ -66,12 +67,12 @@ _INFOS = [
 #: name -> SymbolInfo, in a fixed, documented order.
 TABLE: dict[str, SymbolInfo] = {i.symbol.name: i for i in _INFOS}
 
-b, s, h, a, L, V, f, k, s_max = (TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "s_max"))
+b, s, h, a, L, V, f, k, s_max, r = (TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "s_max", "r"))
 G, g, t, d = (TABLE[n].symbol for n in ("G", "g", "t", "d"))
 B_w, B_g, B_m, B_o, B_a = (TABLE[n].symbol for n in ("B_w", "B_g", "B_m", "B_o", "B_a"))
 M, R = TABLE["M"].symbol, TABLE["R"].symbol
 
-DIMENSIONS = (b, s, h, a, L, V, f, k, s_max, G, g, t, d)
+DIMENSIONS = (b, s, h, a, L, V, f, k, s_max, r, G, g, t, d)
 BYTE_SYMBOLS = (B_w, B_g, B_m, B_o, B_a)
 
 

@@ -77,6 +77,7 @@ def test_json_shape(capsys):
                            "precision": "fp32", "optimizer": "adamw", "device": "cuda",
                            "implementation": "auto", "recompute": "none", "accumulate": 1,
                            "attention": "sdpa", "parallel": "none", "implementation_resolved": "foreach",
+                           "lora": None, "lora_targets": None,
                            "attention_kernels": ["mem-efficient"]}     # auto: transformers' default, on CUDA in fp32
     assert set(j["bytes"]) == {*COMPONENTS, "peak"}
     assert set(j["peak_breakdown"]) == set(ROLES)
@@ -181,8 +182,8 @@ ERRORS = {  # id -> (argv after "estimate" or a function of tmp_path giving it, 
         1, ["model_type", "'llama'", "Known: gpt2"]),
     "seq beyond n_positions": (["--model", "gpt2", "--batch", 1, "--seq", 2048], 1,
                                ["s = 2048", "n_positions", "s_max = 1024"]),
-    "unknown precision": (["--model", "gpt2", "--batch", 1, "--seq", 8, "--precision", "bf16"], 1,
-                          ["unknown precision", "'bf16'", "Known:", "bf16-mixed"]),
+    "unknown precision": (["--model", "gpt2", "--batch", 1, "--seq", 8, "--precision", "bf16-mix"], 1,
+                          ["unknown precision", "'bf16-mix'", "Known:", "bf16-mixed"]),
     "unknown optimizer": (["--model", "gpt2", "--batch", 1, "--seq", 8, "--optimizer", "sgd-momentun"],
                           1, ["unknown optimizer", "'sgd-momentun'", "Did you mean 'sgd-momentum'?"]),
     "batch 0": (["--model", "gpt2", "--batch", 0, "--seq", 8], 2,

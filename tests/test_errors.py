@@ -58,8 +58,8 @@ def test_config_files(tmp_path):
 def test_unknown_names_suggest_the_closest():
     with pytest.raises(UnknownName, match="unknown model 'gpt-2'. Did you mean 'gpt2'?"):
         sm.models.preset("gpt-2")
-    with pytest.raises(UnknownName, match="unknown precision 'bf16'. Did you mean 'bf16-mixed'?"):
-        sm.Policy(precision="bf16")
+    with pytest.raises(UnknownName, match="unknown precision 'bf16-mix'. Did you mean 'bf16-mixed'?"):
+        sm.Policy(precision="bf16-mix")
     with pytest.raises(UnknownName, match="unknown optimizer 'adamm'. Did you mean 'adam'?"):
         sm.Policy(optimizer="adamm")
     with pytest.raises(UnknownName, match="unknown device 'tpu'. Did you mean 'cpu'. Known: cuda, cpu."):

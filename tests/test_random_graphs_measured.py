@@ -125,7 +125,12 @@ OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, foreach=False),
               "adam": lambda ps: torch.optim.Adam(ps, foreach=False),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
               "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
-              "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=False)}
+              "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=False),
+              "adagrad": lambda ps: torch.optim.Adagrad(ps, foreach=False),
+              "rmsprop": lambda ps: torch.optim.RMSprop(ps, foreach=False),
+              "rmsprop-momentum": lambda ps: torch.optim.RMSprop(ps, momentum=0.9, foreach=False),
+              **({"adafactor": lambda ps: torch.optim.Adafactor(ps, foreach=False)}
+                 if hasattr(torch.optim, "Adafactor") else {})}   # torch >= 2.5
 
 
 #: spec -> how the interpreter checkpoints: the variant, and whether only marked layers

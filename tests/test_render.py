@@ -377,8 +377,9 @@ def test_html_is_self_contained(reports):
 
 def test_rules_and_their_docstrings(est16, reports):
     from symmem.rules import RULES
-    ops = rd._ops(est16.graph)
-    assert ops[:3] == ["input", "embedding", "position_embedding"] and "layer_norm" in ops
+    ops = rd._ops(est16.prepared)           # what was counted: the kernels' operators, not "attention"
+    assert ops[:4] == ["input", "embedding", "positions", "position_embedding"] and "layer_norm" in ops
+    assert "attention" not in ops
     html = reports["html"]
     for op in ops:
         assert f"<code>{RULES[op].__module__}.{RULES[op].__name__}</code>" in html

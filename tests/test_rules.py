@@ -977,7 +977,8 @@ def test_embedding_saves_its_int64_indices(policy):
 def test_position_embedding_saves_the_position_ids(policy):
     g = graph(s_max=16)
     ids = g.input("ids", (b, s))
-    g.add("position_embedding", ids, params=(g.param("wpe", (s_max, h)),), name="wpe")
+    g.add("position_embedding", g.add("positions", ids, name="position_ids"), params=(g.param("wpe", (s_max, h)),),
+          name="wpe")
     assert g.shape("wpe") == (1, s, h)
 
     def make(bb, ss):
@@ -998,7 +999,8 @@ def test_gpt2_embedding_front(policy):
     g = graph(V=11, s_max=16)
     ids = g.input("ids", (b, s))
     tok = g.add("embedding", ids, params=(g.param("wte", (V, h)),), name="wte")
-    pos = g.add("position_embedding", ids, params=(g.param("wpe", (s_max, h)),), name="wpe")
+    pos = g.add("position_embedding", g.add("positions", ids, name="position_ids"),
+                params=(g.param("wpe", (s_max, h)),), name="wpe")
     x = g.add("add", tok, pos, name="embed")
     g.add("dropout", x, p=0.1, name="drop")
     # the residual stream stays float32 under autocast (embedding is not autocast)

@@ -107,7 +107,8 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
     wte = g.param("wte.weight", (V, h))
     wpe = g.param("wpe.weight", (s_max, h))
     tok = g.add("embedding", ids, params=(wte,), name="wte")
-    pos = g.add("position_embedding", ids, params=(wpe,), name="wpe")
+    positions = g.add("positions", ids, name="position_ids")
+    pos = g.add("position_embedding", positions, params=(wpe,), name="wpe")
     x = g.add("add", tok, pos, name="embed")
     mask = g.add("causal_mask", ids, name="causal_mask")
     x = g.add("dropout", x, p=cfg.embd_pdrop, name="drop")
@@ -167,7 +168,7 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
     for value in (logits, padded):
         g.hold(value, until=loss)
     # GPT2Model's locals, alive until it returns (after ln_f)
-    for value in (tok, pos, mask):
+    for value in (positions, tok, pos, mask):
         g.hold(value, until="ln_f")
     return g
 

@@ -12,13 +12,13 @@ schedules, inference) are further modules here.
 """
 from __future__ import annotations
 
-from . import accumulate, attention, recompute
+from . import accumulate, attention, lora, recompute
 
-__all__ = ["PASSES", "prepare", "run", "attention", "recompute", "accumulate"]
+__all__ = ["PASSES", "prepare", "run", "attention", "lora", "recompute", "accumulate"]
 
 #: The passes, in the order they rewrite a graph and a plan: the attention kernel first, so
 #: that recomputation sees the kernel's operators.
-PASSES = (attention, recompute, accumulate)
+PASSES = (attention, lora, recompute, accumulate)
 
 
 def prepare(graph, policy):

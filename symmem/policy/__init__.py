@@ -13,6 +13,8 @@ Each part is chosen from a registry (:mod:`symmem.policy.registry`), one module 
 - ``accumulate``: micro-batches per optimizer step (gradient accumulation);
 - ``attention`` (:mod:`~symmem.policy.attention`): the attention kernel (eager, SDPA and
   its backends); ``auto`` resolves to the model's own or ``sdpa``;
+- ``lora`` and ``lora_targets`` (:mod:`~symmem.policy.adapters`): LoRA adapters of rank
+  R (or the symbol ``r``) on the named projections, the base model frozen;
 - ``parallel`` (:mod:`~symmem.policy.slots`): one entry today.
 
 :data:`PARTS` describes every part for the command line, which generates its options,
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy as sp
 
 from ..errors import ConfigError
 from ..rules import Ctx
@@ -30,10 +31,11 @@ from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
 from .recompute import RECOMPUTE, Recompute
 from .registry import Registry
+from .adapters import LoRA
 from .attention import ATTENTION
 from .slots import DEVICES, PARALLEL
 
-__all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "Registry",
+__all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "LoRA", "Registry",
            "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION", "PARALLEL"]
 
 
@@ -50,6 +52,8 @@ class Policy:
     recompute: Recompute | str = "none"
     accumulate: int = 1
     attention: str = "auto"
+    lora: LoRA | int | str | None = "none"
+    lora_targets: tuple | str | None = None
     parallel: str = "none"
 
     def __post_init__(self):
@@ -57,6 +61,9 @@ class Policy:
             if part.registry is not None:     # canonical names: "AdamW" is "adamw"
                 object.__setattr__(self, part.field, part.registry.lookup(getattr(self, part.field)).name)
         object.__setattr__(self, "recompute", Recompute.parse(self.recompute))
+        lora = LoRA.parse(self.lora, self.lora_targets)
+        object.__setattr__(self, "lora", lora)
+        object.__setattr__(self, "lora_targets", lora.targets if lora else None)
         k = self.accumulate
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError("accumulate", k, "a whole number of micro-batches >= 1",
@@ -72,9 +79,11 @@ class Policy:
 
     @property
     def impl(self) -> str:
+        """The implementation the step runs: PyTorch's default for ``auto`` (foreach on CUDA
+        where the optimizer has one, else its for-loop)."""
         if self.implementation != "auto":
             return self.implementation
-        return "foreach" if self.device == "cuda" else "for-loop"
+        return "foreach" if self.device == "cuda" and self.opt.has("foreach") else "for-loop"
 
     @property
     def step_on_device(self) -> bool:
@@ -85,8 +94,9 @@ class Policy:
         return self.prec.ctx(self.device)
 
     def bindings(self) -> dict:
-        """Numbers for the byte symbols. Optimizer states are float32 (the master dtype)."""
-        return self.prec.bindings(sp.Integer(4))
+        """Numbers for the byte symbols (optimizer states in the dtype of what they step), and
+        the LoRA rank ``r`` where it is a number."""
+        return {**self.prec.bindings(), **(self.lora.symbol_value if self.lora else {})}
 
     def describe(self, kernels: tuple = ()) -> str:
         """The policy in words; ``kernels``: the attention kernels ``sdpa`` picked, named
@@ -98,6 +108,8 @@ class Policy:
             out += f"; recompute {self.recompute}"
         if self.accumulate > 1:
             out += f"; {self.accumulate} micro-batches of b per optimizer step (batch b*{self.accumulate})"
+        if self.lora:
+            out += f"; {self.lora}, the rest frozen"
         return out
 
 
@@ -126,5 +138,9 @@ PARTS = (
          "use_reentrant=True)"),
     Part("accumulate", "--accumulate", None, "K", "micro-batches of size b per optimizer step"),
     Part("attention", "--attention", ATTENTION, "NAME", "the attention kernel"),
+    Part("lora", "--lora", None, "R",
+         "LoRA adapters of rank R (r: the rank as a symbol) on --lora-targets, every other weight frozen"),
+    Part("lora_targets", "--lora-targets", None, "NAMES",
+         "the projections LoRA adapts, comma-separated (None: peft's default for the model, c_attn)"),
     Part("parallel", "--parallel", PARALLEL, "NAME", "the parallel layout"),
 )

@@ -24,7 +24,9 @@ __all__ = ["Precision", "PRECISIONS"]
 @dataclass(frozen=True)
 class Precision:
     """Bytes per element of each role, whether autocast runs the forward pass, and the
-    torch dtype activations are computed in (``compute``)."""
+    torch dtype activations are computed in (``compute``). ``state``: bytes of an optimizer
+    state element: torch's optimizers keep their states in the dtype of what they step (the
+    float32 weights or master copy; a half-precision model's own dtype)."""
     name: str
     weight: sp.Rational
     grad: sp.Rational
@@ -33,9 +35,10 @@ class Precision:
     autocast: bool
     compute: str              # "float32", "bfloat16" or "float16"
     description: str
+    state: sp.Rational = sp.Integer(4)    # bytes of an optimizer state element (the master dtype)
 
-    def bindings(self, optimizer_state_bytes) -> dict:
-        out = {B_w: self.weight, B_g: self.grad, B_a: self.act, B_o: optimizer_state_bytes}
+    def bindings(self) -> dict:
+        out = {B_w: self.weight, B_g: self.grad, B_a: self.act, B_o: self.state}
         if self.master:
             out[B_m] = self.master
         return out
@@ -51,6 +54,14 @@ PRECISIONS = Registry("precision")
 for _p in (
     Precision("fp32", _4, _4, _0, _4, False, "float32",
               "float32 weights, gradients, optimizer states and activations"),
+    Precision("tf32", _4, _4, _0, _4, False, "float32",
+              "float32 storage with TF32 matmuls (torch.backends.cuda.matmul.allow_tf32): faster math, "
+              "the same bytes as fp32"),
+    Precision("bf16", _2, _2, _0, _2, False, "bfloat16",
+              "model.to(torch.bfloat16): weights, gradients, optimizer states and activations in "
+              "bfloat16, no float32 copy", _2),
+    Precision("fp16", _2, _2, _0, _2, False, "float16",
+              "model.to(torch.float16): every role in float16, no float32 copy", _2),
     Precision("bf16-mixed", _4, _4, _0, _2, True, "bfloat16",
               "torch.autocast(dtype=torch.bfloat16): float32 weights (the master copy), gradients and "
               "optimizer states; bfloat16 activations where autocast casts, and cached bfloat16 copies "

@@ -31,12 +31,13 @@ Layout (module -> rules):
   from PyTorch's ``autocast_mode.cpp`` / ``autocast_mode.h``; rules ask
   :meth:`Ctx.autocast_dtype` instead of branching on the device;
 - ``views``: input, carry, split, heads, merge_heads;
-- ``elementwise``: add, scale, dropout, gelu, gelu_new, relu, to_compute, to_float32;
+- ``elementwise``: add, scale, dropout, gelu, gelu_new, relu, to_compute, to_param_dtype,
+  to_float32;
 - ``normalization``: layer_norm, softmax, log_softmax;
 - ``linalg``: linear, matmul;
 - ``attention``: attention (the node a model writes; the attention pass replaces it),
   sdpa_kernel (flash, mem-efficient, cuDNN), sdpa_causal_mask;
-- ``embeddings``: embedding, position_embedding, causal_mask;
+- ``embeddings``: embedding, positions, position_embedding, causal_mask;
 - ``losses``: nll_loss.
 
 A new op is a function in the module of its kind (or a new kind module imported
@@ -52,8 +53,8 @@ from .core import (BOOL, F32, F64, I64, RULES, Ctx, DType, Footprint, NodeLike, 
 # the kind modules register their rules on import
 from .attention import attention_rule, sdpa_causal_mask_rule, sdpa_kernel_rule
 from .elementwise import (add_rule, dropout_rule, gelu_new_rule, gelu_rule, relu_rule, scale_rule,
-                          to_compute_rule, to_float32_rule)
-from .embeddings import causal_mask_rule, embedding_rule, position_embedding_rule
+                          to_compute_rule, to_float32_rule, to_param_dtype_rule)
+from .embeddings import causal_mask_rule, embedding_rule, position_embedding_rule, positions_rule
 from .linalg import linear_rule, matmul_rule
 from .losses import nll_loss_rule
 from .normalization import layer_norm_rule, log_softmax_rule, softmax_rule

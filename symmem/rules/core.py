@@ -36,8 +36,8 @@ BOOL = DType("bool", sp.Integer(1), 0)
 
 class NodeLike(Protocol):
     """What a rule reads of a node (:class:`symmem.graph.Node` is one): its name (for
-    errors), its op, its parameters (each with ``name``, ``shape`` and ``numel``) and
-    its attributes."""
+    errors), its op, its parameters (each with ``name``, ``shape``, ``numel`` and
+    ``trainable``) and its attributes."""
     name: str
     op: str
     params: tuple

@@ -11,7 +11,7 @@ from ..errors import ShapeError
 from .core import BOOL, F32, F64, Footprint, Saved, TensorInfo, _grads, _promote, rule
 
 __all__ = ["add_rule", "scale_rule", "dropout_rule", "gelu_rule", "gelu_new_rule", "relu_rule",
-           "to_compute_rule", "to_float32_rule"]
+           "to_compute_rule", "to_param_dtype_rule", "to_float32_rule"]
 
 
 def _broadcast(node, x: tuple, y: tuple) -> tuple:
@@ -127,6 +127,17 @@ def to_compute_rule(node, ins, ctx):
     if ctx.same(x.dtype, ctx.act):
         return Footprint(x, alias=0, grads=_grads(ins, "pass"))
     return Footprint(TensorInfo(x.shape, ctx.act, x.contiguous, x.requires_grad), grads=_grads(ins))
+
+
+@rule("to_param_dtype")
+def to_param_dtype_rule(node, ins, ctx):
+    """``x.to(weight.dtype)`` before an adapter (peft's ``_cast_input_dtype``): a copy into
+    the parameters' dtype (float32 under autocast, where x is often bfloat16), in x's
+    layout, or x itself when it has that dtype."""
+    x = ins[0]
+    if ctx.same(x.dtype, ctx.param_dtype):
+        return Footprint(x, alias=0, grads=_grads(ins, "pass"))
+    return Footprint(TensorInfo(x.shape, ctx.param_dtype, x.contiguous, x.requires_grad), grads=_grads(ins))
 
 
 @rule("to_float32")

@@ -8,7 +8,7 @@ import sympy as sp
 
 from .core import I64, Footprint, Saved, TensorInfo, rule
 
-__all__ = ["embedding_rule", "position_embedding_rule", "causal_mask_rule"]
+__all__ = ["embedding_rule", "positions_rule", "position_embedding_rule", "causal_mask_rule"]
 
 
 @rule("embedding")
@@ -21,15 +21,23 @@ def embedding_rule(node, ins, ctx):
                      saved=(Saved("indices", "in0"),), grads=(None,))
 
 
+@rule("positions")
+def positions_rule(node, ins, ctx):
+    """Hugging Face's position ids for a batch of token ids (b, s): ``arange(s)`` as int64,
+    made in forward, used as a (1, s) view."""
+    ss = ins[0].shape[-1]
+    return Footprint(TensorInfo((sp.Integer(1), ss), I64, requires_grad=False), grads=(None,))
+
+
 @rule("position_embedding")
 def position_embedding_rule(node, ins, ctx):
-    """GPT-2's learned positions: ``wpe(arange(s))``. The position ids (int64, s of them,
-    created in forward) are saved by the embedding. Output (1, s, h), broadcast later."""
+    """GPT-2's learned positions: ``wpe(position_ids)`` of the (1, s) ids, which it saves
+    (its weight's gradient needs them). Output (1, s, h), broadcast later."""
     ids = ins[0]
     (w,) = node.params
     ss = ids.shape[-1]
     return Footprint(TensorInfo((sp.Integer(1), ss, w.shape[1]), ctx.param_dtype),
-                     saved=(Saved("position ids", "new", ss, I64),), grads=(None,))
+                     saved=(Saved("position ids", "in0"),), grads=(None,))
 
 
 @rule("causal_mask")

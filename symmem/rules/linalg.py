@@ -26,7 +26,15 @@ def linear_rule(node, ins, ctx):
     The bias's gradient is the output's gradient summed over the rows, which the autograd
     engine does when the node's kernels have run (``validate_outputs``), before it releases
     what the node saved (``reduced_params``); under autocast every parameter's gradient
-    comes after the node, cast back (``late_params``)."""
+    comes after the node, cast back (``late_params``).
+
+    A frozen weight (``Param.trainable`` False, as LoRA's base layers): autograd saves only
+    what the other gradients need (the input only for the weight's gradient, the weight only
+    for the input's), so the input is not kept; under autocast its half copy is made for the
+    kernel and freed after it. Autocast caches only weights that require grad
+    (``cached_cast`` in ``autocast_mode.cpp``): a frozen weight's half copy is made at each
+    use, saved where the input's gradient needs it and otherwise freed after the kernel
+    (measured: ``tests/test_adapters_measured.py``)."""
     x = ins[0]
     w = node.params[0]
     out_features = w.shape[1] if node.attr("conv1d") else w.shape[0]
@@ -35,23 +43,34 @@ def linear_rule(node, ins, ctx):
         raise ShapeError(node.name, x.shape, f"a last dimension of {in_features}")
     cast = ctx.autocast_dtype("addmm" if node.attr("conv1d") else "linear")
     out = TensorInfo(tuple(x.shape[:-1]) + (out_features,), x.dtype if cast is None else cast)
-    saved, bwd_temp, late = [], sp.Integer(0), ()
+    trainable = tuple(i for i, p in enumerate(node.params) if p.trainable)
+    keep_input = w.trainable              # only the weight's gradient reads the input
+    saved, bwd_temp, late, fwd_temp = [], sp.Integer(0), (), sp.Integer(0)
     if cast is not None:
         if not ctx.same(x.dtype, cast):
-            late = (0,)
-            saved.append(Saved("input (autocast copy)", "new", x.numel, cast))
-            bwd_temp += x.numel * cast.nbytes if x.requires_grad else 0
-        else:
+            if keep_input:
+                saved.append(Saved("input (autocast copy)", "new", x.numel, cast))
+            else:                         # made for the kernel, freed after it
+                fwd_temp = x.numel * cast.nbytes
+            if x.requires_grad:
+                late = (0,)
+                bwd_temp += x.numel * cast.nbytes
+        elif keep_input:
             saved.append(Saved("input", "in0"))
         if x.requires_grad:   # addmm keeps the weight only to compute the input's gradient
-            saved.append(Saved("weight (autocast copy)", f"cast:{w.name}", w.numel, cast))
-        bwd_temp += sum((p.numel for p in node.params), sp.Integer(0)) * cast.nbytes
-    else:
+            saved.append(Saved("weight (autocast copy)", f"cast:{w.name}", w.numel, cast) if w.trainable
+                         else Saved("weight (autocast copy)", "new", w.numel, cast))
+        # autocast caches the copies of weights that require grad; a frozen one is cast anew
+        # each time and freed after the kernel unless saved
+        fwd_temp += sum((p.numel for p in node.params if not p.trainable and (p is not w or not x.requires_grad)),
+                        sp.Integer(0)) * cast.nbytes
+        bwd_temp += sum((node.params[i].numel for i in trainable), sp.Integer(0)) * cast.nbytes
+    elif keep_input:
         saved.append(Saved("input", "in0"))
-    casts = tuple((p.name, p.numel, cast) for p in node.params) if cast is not None else ()
-    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, late_inputs=late,
-                     late_params=cast is not None, casts=casts,
-                     reduced_params=() if cast is not None else tuple(range(1, len(node.params))))
+    casts = tuple((p.name, p.numel, cast) for p in node.params if p.trainable) if cast is not None else ()
+    return Footprint(out, saved=tuple(saved), fwd_temp=fwd_temp, grads=_grads(ins), bwd_temp=bwd_temp,
+                     late_inputs=late, late_params=trainable if cast is not None else False, casts=casts,
+                     reduced_params=() if cast is not None else tuple(i for i in trainable if i > 0))
 
 
 @rule("matmul")

@@ -1,0 +1,89 @@
+"""LoRA: every weight frozen, trainable adapters beside the targeted linear layers, as
+``peft``'s ``get_peft_model`` leaves a model (:class:`~symmem.policy.adapters.LoRA`).
+
+:func:`prepare` rewrites the graph. Each parameter becomes frozen (``Param.trainable``
+False): no gradient, no optimizer state, and the rules save only what the trainable
+inputs' gradients need (a frozen linear layer keeps its weight, not its input). Each linear
+node ``N`` whose module name ends with a target becomes, in the order of
+``peft.tuners.lora.layer.Linear.forward``::
+
+    N.base_layer = linear(x)                    # the frozen layer
+    N.lora_x     = x in the adapters' dtype     # _cast_input_dtype: a copy under autocast,
+                                                # held by forward's local until it returns
+    N.lora_dropout                              # lora_dropout (none at peft's default 0)
+    N.lora_A     = linear(., A: r x in)         # trainable, no bias
+    N.lora_B     = linear(., B: out x r)
+    N.lora_scale = . * scaling                  # a Python number (an 8-byte scalar on the CPU)
+    N            = N.base_layer + N.lora_scale
+
+A target that matches no linear layer is an error that lists the model's.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import ConfigError
+from ..graph import Graph
+
+__all__ = ["prepare", "apply", "linear_modules"]
+
+
+def _module(node) -> str:
+    """The module name of a node: ``h/attn.c_attn`` -> ``attn.c_attn``, ``lm_head`` -> ``lm_head``."""
+    return node.name.rsplit("/", 1)[-1]
+
+
+def _matches(node, targets) -> bool:
+    mod = _module(node)
+    return node.op == "linear" and any(mod == t or mod.endswith("." + t) for t in targets)
+
+
+def linear_modules(graph: Graph) -> tuple[str, ...]:
+    """The module names of the graph's linear layers, the names LoRA can target."""
+    out = []
+    for item in graph.items:
+        if hasattr(item, "body"):
+            out += linear_modules(item.body)
+        elif item.op == "linear":
+            out.append(_module(item).rsplit(".", 1)[-1])
+    return tuple(dict.fromkeys(out))
+
+
+def prepare(graph: Graph, policy) -> Graph:
+    lora = policy.lora
+    if lora is None:
+        return graph
+    known = linear_modules(graph)
+    for t in lora.targets:
+        if not any(_matches(n, (t,)) for g in graph.graphs() for n in g.items if hasattr(n, "op")):
+            raise ConfigError("lora_targets", t, f"a linear layer of {graph.name!r}: one of {', '.join(known)}",
+                              "Name the projections to adapt, e.g. --lora-targets c_attn,c_proj.")
+    frozen = graph.with_params(lambda p: replace(p, trainable=False))
+
+    def rewrite(node, sub: Graph) -> bool:
+        if not _matches(node, lora.targets):
+            return False
+        x = node.inputs[0]
+        w = node.params[0]
+        n_in, n_out = (w.shape[0], w.shape[1]) if node.attr("conv1d") else (w.shape[1], w.shape[0])
+        stem = w.name.rsplit(".", 1)[0]
+        with sub.scope(**dict(node.attrs)):
+            base = sub.add("linear", x, params=node.params, name=f"{node.name}.base_layer")
+        with sub.scope(**{k: v for k, v in node.attrs if k != "conv1d"}):
+            y = sub.add("to_param_dtype", x, name=f"{node.name}.lora_x")
+            sub.hold(y, until=node.name)           # forward's rebound local x, until it returns
+            y = sub.add("dropout", y, p=lora.dropout, name=f"{node.name}.lora_dropout")
+            y = sub.add("linear", y, params=(sub.param(f"{stem}.lora_A.weight", (lora.rank, n_in)),),
+                        name=f"{node.name}.lora_A")
+            y = sub.add("linear", y, params=(sub.param(f"{stem}.lora_B.weight", (n_out, lora.rank)),),
+                        name=f"{node.name}.lora_B")
+            y = sub.add("scale", y, name=f"{node.name}.lora_scale")
+            sub.add("add", base, y, name=node.name)
+        return True
+
+    return frozen.rewritten(rewrite)
+
+
+def apply(plan, graph, policy):
+    """Nothing to rewrite in the plan: :func:`prepare` did it in the graph."""
+    return plan
