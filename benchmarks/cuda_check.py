@@ -124,8 +124,9 @@ def run(case):
             return model(ids, labels=ids).loss
     saved = saved_bytes(loss, exclude=model)
     cuda_saved = sum(e.storage_nbytes for e in saved.entries if e.counted and e.device.startswith("cuda"))
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16-mixed" else None   # as the precision says
     report = training_step(model, lambda m: loss(), optimizer_for(opt, impl, model.parameters()), extra=(ids,),
-                           accumulate=k)
+                           accumulate=k, scaler=scaler)
     return ev, cuda_saved, report, "+".join(est.kernels)
 
 

@@ -24,7 +24,7 @@ from .lowering import lower
 from .plan import ROLES, Plan
 from .printing import (format_bytes, html_escape, html_table, latex, mathml, tex_number,
                        tex_values, values_text)
-from .symbols import L, b, s, symbol
+from .symbols import TABLE, L, b, s, symbol
 
 __all__ = ["estimate", "Estimate", "Evaluation", "Region", "canonical", "provably_nonneg"]
 
@@ -275,9 +275,7 @@ class Estimate:
         totals = [t.xreplace(subs) for t in self.totals]
         for t, p in zip(totals, self.points):
             if not t.is_number:
-                missing = sorted(str(x) for x in t.free_symbols)
-                raise ConfigError("values", missing, "a value for every symbol",
-                                  f"Pass them, e.g. .at({missing[0]}=...).")
+                raise _unbound(t, "the peak")
         i = max(range(len(totals)), key=lambda j: totals[j])
         p = self.points[i]
         comps["peak"] = int(sp.ceiling(totals[i]))
@@ -289,9 +287,7 @@ class Estimate:
         """Whole bytes; a fractional count (int4 packs two elements a byte) rounds up."""
         v = sp.sympify(expr).xreplace(subs)
         if not v.is_number:
-            missing = sorted(str(x) for x in v.free_symbols)
-            raise ConfigError("values", missing, f"a value for every symbol of {name}",
-                              f"Pass them, e.g. .at({missing[0]}=...).")
+            raise _unbound(v, name)
         return int(sp.ceiling(v))
 
     def __repr__(self) -> str:
@@ -351,6 +347,17 @@ def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:
         plan = passes.run(lower(prepared, policy), prepared, policy)
         timeline = count(plan)
     return Estimate(graph, policy, plan, timeline, prepared)
+
+
+def _unbound(expr, what: str) -> ConfigError:
+    """The error for symbols of ``expr`` that have no value, each named with its meaning."""
+    missing = sorted(str(x) for x in expr.free_symbols)
+    meanings = "; ".join(f"{m}: {TABLE[m].meaning}" if m in TABLE else m for m in missing)
+    fix = f"Pass them, e.g. .at({missing[0]}=...)."
+    if "r" in missing:
+        fix += " The LoRA rank stays a symbol under lora='r' (--lora r, for `symmem formula`); give a number " \
+               "(lora=8, --lora 8) to evaluate."
+    return ConfigError("values", missing, f"a value for every symbol of {what} ({meanings})", fix)
 
 
 def _distinct(requirements) -> tuple:

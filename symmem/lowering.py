@@ -114,6 +114,9 @@ class _Lowering:
                 events.append(Alloc(Key("state", p.name), opt.state_elements(p) * B_o, "optimizer", m))
             if policy.step_on_device:
                 events.append(Alloc(Key("step", p.name), sp.Integer(4), "optimizer", m))
+        if prec.scaler:       # torch.amp.GradScaler: its float32 scale and int32 growth tracker
+            events.append(Alloc(Key("state", "grad scaler"), sp.Integer(8), "optimizer"))
+            components["optimizer"] += 8
         for node, m, nbytes in buffers:
             events.append(Alloc(Key("value", node.name), nbytes, "buffers", m))
         for inst in self.order:
@@ -179,17 +182,24 @@ class _Lowering:
     def _backward(self, loss):
         """Gradients flow from the loss back; ``grads`` maps a value to its gradient's
         storage, ``refs`` counts the values whose gradient a storage still is."""
-        gkey = Key("vgrad", *loss)
-        events = [Alloc(gkey, self.info[loss].nbytes, "transient")]
-        # torch.autograd.backward holds the loss's gradient (grad_tensors_) until it returns
-        grads, refs, seen = {loss: gkey}, {gkey: 2}, set()
+        gkey, nbytes = Key("vgrad", *loss), self.info[loss].nbytes
+        held = [gkey]
+        if self.policy.prec.scaler:
+            # scaler.scale(loss).backward(): the scaled loss lives through backward, and
+            # torch.autograd.backward holds its gradient; the loss's own is made from it
+            held = [Key("value", "loss * scale"), Key("vgrad", "loss * scale")]
+        events = [Alloc(k, nbytes, "transient") for k in held]
+        if gkey not in held:
+            events.append(Alloc(gkey, nbytes, "transient"))
+        # torch.autograd.backward holds the root gradient (grad_tensors_) until it returns
+        grads, refs, seen = {loss: gkey}, {gkey: 2 if gkey in held else 1}, set()
         for inst in reversed(self.order):
             if not isinstance(inst, Instance):
                 kind, rep, c = inst
                 events.append(End(rep.name, c) if kind == "begin" else Begin(rep.name, c, rep.count))
             elif (inst.name, inst.copy) in grads:     # else no gradient reaches this value
                 events.append(self._node_backward(inst, grads, refs, seen))
-        events.append(Free(gkey, self.info[loss].nbytes, "transient"))
+        events += [Free(k, nbytes, "transient") for k in held]
         return events
 
     def _node_backward(self, inst: Instance, grads: dict, refs: dict, seen: set) -> Backward:
@@ -262,6 +272,11 @@ class _Lowering:
         optimizer's own temporaries, for its implementation (:mod:`symmem.policy.optimizer`)."""
         policy, graph = self.policy, self.graph
         events = []
+        if policy.prec.scaler:
+            # scaler.step: unscale_ makes 1/scale through float64 (two 8-byte tensors), then
+            # found_inf and the per-device copies; found_inf is held until update()
+            events += [Mark("optimizer", "grad scaler unscale_", (("transient", sp.Integer(16)),)),
+                       Alloc(Key("value", "found_inf"), sp.Integer(4), "transient")]
         if policy.prec.master:
             events.append(Alloc(Key("master grads", "all"), graph.param_count(trainable_only=True) * B_m,
                                 "transient"))
@@ -269,6 +284,8 @@ class _Lowering:
         trained = [(p, m) for p, m in graph.params() if p.trainable]
         for where, temp in policy.opt.step_temps(policy.impl, order, trained):
             events.append(Mark("optimizer", where, (("transient", temp),)))
+        if policy.prec.scaler:
+            events.append(Free(Key("value", "found_inf"), sp.Integer(4), "transient"))
         return events
 
 

@@ -352,6 +352,7 @@ def training_step(
     steps: int = 2,
     extra: Any = (),
     accumulate: int = 1,
+    scaler: Any = None,
 ) -> StepReport:
     """Run ``steps`` training iterations and track live memory over the last one.
 
@@ -364,6 +365,9 @@ def training_step(
     (tensors, or nests of them, e.g. the input batch) -- then every storage an operator
     reads or writes while the tracker is active. Live bytes are sampled after each
     operator and at phase boundaries; ``at_start`` is the sample before the forward.
+    With a ``scaler`` (``torch.amp.GradScaler``) backward is ``scaler.scale(loss).backward()``
+    and the step ``scaler.step(optimizer); scaler.update()``, as its documentation runs them;
+    its scale and growth tracker count from the start.
 
     Only storages on the module's device count (on CUDA, Adam's ``step`` counters live on
     the host and are left out). Storages created outside the dispatcher before the step
@@ -382,20 +386,31 @@ def training_step(
     def micro_batch_loss():
         return loss_fn(module) if accumulate == 1 else loss_fn(module) / accumulate
 
+    def backward(loss):
+        (loss if scaler is None else scaler.scale(loss)).backward()
+
+    def step():
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+
     for _ in range(steps - 1):
         optimizer.zero_grad(set_to_none=True)
         for _ in range(accumulate):
-            micro_batch_loss().backward()
-        optimizer.step()
+            backward(micro_batch_loss())
+        step()
 
     device = _module_device(module)
     tracker = _LiveTracker(device)
     optimizer.zero_grad(set_to_none=True)
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     state = list(optimizer.state.values())
-    for t in _tensors([module, grads, state, extra]):
+    scaler_state = [] if scaler is None else [scaler._scale, scaler._growth_tracker]
+    for t in _tensors([module, grads, state, extra, scaler_state]):
         tracker.register(t)
-    del grads, state
+    del grads, state, scaler_state
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -412,11 +427,11 @@ def training_step(
             tracker.sample("<end>")
             tracker.phase = "backward"
             tracker.sample("<start>")
-            loss.backward()
+            backward(loss)
             tracker.sample("<end>")
         tracker.phase, tracker.micro = "optimizer", 0
         tracker.sample("<start>")
-        optimizer.step()
+        step()
         tracker.sample("<end>")
     del loss
     cuda_max = None

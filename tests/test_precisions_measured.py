@@ -51,3 +51,30 @@ def test_half_precision_states_are_half():
     assert (half["params"], half["grads"], half["optimizer"]) == (2 * N, 2 * N, 4 * N)
     assert (mixed["params"], mixed["optimizer"]) == (4 * N, 8 * N)
     assert sm.estimate(g, sm.Policy("tf32")).at(b=4, s=512).peak == sm.estimate(g, sm.Policy("fp32")).at(b=4, s=512).peak
+
+
+SCALED = [(POINTS[0], "sgd", "for-loop", 1), (POINTS[1], "adamw", "foreach", 1), (POINTS[2], "adam", "for-loop", 2)]
+
+
+@pytest.mark.parametrize("point,opt,impl,k", SCALED, ids=[f"b{p[0]}-{o}-{i}-K{k}" for p, o, i, k in SCALED])
+def test_fp16_autocast_with_grad_scaler_exact(point, opt, impl, k):
+    """fp16-mixed as torch.amp.GradScaler's documentation runs it: its scale and growth
+    tracker (4 + 4 bytes) from the start; the scaled loss and the gradient
+    torch.autograd.backward holds for it through backward (4 + 4, the loss's own gradient made
+    from it); unscale_'s float64 reciprocal (8 + 8) and found_inf (4), held through the step."""
+    b, s, h, a, L, V, P, act = point
+    cfg, model = hf_model(h, a, L, V, P, act)
+    est = sm.estimate(graph_of(cfg), sm.Policy("fp16-mixed", opt, "cpu", impl, accumulate=k))
+    ev = est.at(b=b, s=s)
+    ids = torch.randint(0, V, (b, s))
+
+    def fwd(m):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return m(ids, labels=ids).loss
+    report = training_step(model, fwd, optimizer(opt, impl, model.parameters()), extra=(ids,), accumulate=k,
+                           scaler=torch.amp.GradScaler("cpu"))
+    subs = est._subs({"b": b, "s": s})
+    predicted = {phase: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == phase)
+                 for phase in report.phase_peaks}
+    assert (predicted, ev.peak) == (report.phase_peaks, report.peak), (ev.peak_point.where, report.peak_op)
+    assert ev.peak_point.phase == report.peak_phase

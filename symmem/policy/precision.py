@@ -26,7 +26,8 @@ class Precision:
     """Bytes per element of each role, whether autocast runs the forward pass, and the
     torch dtype activations are computed in (``compute``). ``state``: bytes of an optimizer
     state element: torch's optimizers keep their states in the dtype of what they step (the
-    float32 weights or master copy; a half-precision model's own dtype)."""
+    float32 weights or master copy; a half-precision model's own dtype). ``scaler``: trained
+    with ``torch.amp.GradScaler`` as its documentation runs it."""
     name: str
     weight: sp.Rational
     grad: sp.Rational
@@ -36,6 +37,7 @@ class Precision:
     compute: str              # "float32", "bfloat16" or "float16"
     description: str
     state: sp.Rational = sp.Integer(4)    # bytes of an optimizer state element (the master dtype)
+    scaler: bool = False      # trained with torch.amp.GradScaler (its state and step scalars)
 
     def bindings(self) -> dict:
         out = {B_w: self.weight, B_g: self.grad, B_a: self.act, B_o: self.state}
@@ -67,8 +69,9 @@ for _p in (
               "optimizer states; bfloat16 activations where autocast casts, and cached bfloat16 copies "
               "of the weights during forward"),
     Precision("fp16-mixed", _4, _4, _0, _2, True, "float16",
-              "torch.autocast(dtype=torch.float16) with a GradScaler: as bf16-mixed, in float16 (the "
-              "scaler's few scalars are not counted)"),
+              "torch.autocast(dtype=torch.float16) with torch.amp.GradScaler: as bf16-mixed, in float16, "
+              "plus the scaler's 8 bytes of state, the scaled loss through backward and its unscale_ "
+              "scalars", scaler=True),
     Precision("bf16-master", _2, _2, _4, _2, False, "bfloat16",
               "bfloat16 weights, gradients and activations, with a float32 master copy and float32 "
               "optimizer states (Megatron-LM, DeepSpeed, Apex O2); the step casts the gradients to "
