@@ -7,7 +7,8 @@ REF is checked out into a temporary git worktree (removed afterwards). For each 
 Python process imports one tree and times ``sm.estimate(graph, policy)`` with its ``peak``:
 the first (cold: sympy's caches empty) and the best of three further runs (warm). The trees
 take turns, so that a change in the machine's load touches both columns alike. Policies the
-older tree does not know (recomputation, accumulation) are timed for this tree only.
+older tree does not know (recomputation, accumulation, SDPA, LoRA) are timed for this tree
+only; both run eager attention otherwise, the only one the older tree has.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ if L != cfg.n_layer:
     cfg = sm.models.GPT2Config(n_embd=cfg.n_embd, n_layer=L, n_head=cfg.n_head,
                                n_positions=cfg.n_positions, name=f"L{L}")
 graph = sm.models.build_gpt2(cfg)
+if "attention" in sm.Policy.__dataclass_fields__:     # eager: the older tree's only attention
+    kwargs = {"attention": "eager", **kwargs}
 policy = sm.Policy("bf16-mixed", "adamw", "cuda", **kwargs)
 times = []
 for _ in range(4):
@@ -41,7 +44,8 @@ print(json.dumps([times[0], min(times[1:]), len(est.points)]))
 
 CASES = [("gpt2", 12, {}), ("gpt2", 2, {}), ("gpt3-175b", 96, {}), ("gpt3-175b", 512, {}),
          ("gpt2", 12, {"recompute": "full"}), ("gpt2", 12, {"recompute": "selective"}),
-         ("gpt2", 12, {"accumulate": 4}), ("gpt3-175b", 96, {"recompute": "full"})]
+         ("gpt2", 12, {"accumulate": 4}), ("gpt3-175b", 96, {"recompute": "full"}),
+         ("gpt2", 12, {"attention": "sdpa"}), ("gpt2", 12, {"attention": "sdpa", "lora": 8})]
 
 
 def timed(tree: pathlib.Path, case) -> list | None:
@@ -63,7 +67,7 @@ def main():
             for model, L, kwargs in CASES:
                 before = timed(old, (model, L, kwargs)) if not kwargs else None
                 after = timed(HERE, (model, L, kwargs))
-                policy = ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "default"
+                policy = ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "attention=eager"
                 cols = (f"{before[0]:>12.2f}{before[1]:>7.2f}" if before else f"{'—':>12}{'—':>7}")
                 ratio = f"{after[1] / before[1]:>12.2f}" if before else f"{'—':>12}"
                 print(f"{model:<11}{L:>5}  {policy:<22}{cols}{after[0]:>12.2f}{after[1]:>7.2f}{ratio}")

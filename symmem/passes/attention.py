@@ -101,7 +101,9 @@ def apply(plan, graph, policy):
 
 
 def _prefix(node) -> str:
-    return node.name.rsplit("/", 1)[0] + "/" if "/" in node.name else ""
+    """Where the kernel's operators are named: beside the node (``h/attn/context`` ->
+    ``h/attn/scores``), or under it for a node at the top (``core`` -> ``core/scores``)."""
+    return node.name.rsplit("/", 1)[0] + "/" if "/" in node.name else node.name + "/"
 
 
 def _eager(node, g: Graph, ctx) -> None:
