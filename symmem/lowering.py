@@ -5,19 +5,22 @@ turns the footprints into the events of one steady-state training step (an itera
 after the first, with ``zero_grad(set_to_none=True)``):
 
 - **states**: parameters, the master copy, optimizer states and step counters (one
-  storage per parameter tensor, ``count`` of them for a repeated block's), and the batch
-  (the graph's inputs, held by the training loop for the whole step);
+  storage per parameter tensor, ``count`` of them for a repeated block's; a frozen
+  parameter has only itself), a GradScaler's scale and growth tracker, and the batch (the
+  graph's inputs, held by the training loop for the whole step);
 - **forward**: a :class:`~symmem.plan.Compute` per node: its output (none for a view),
   the new tensors it saves, what it reads, and who holds what: autograd holds what the
   node saves until the node's backward has run; autocast's cache holds the half-precision
   copy of a weight until forward ends; the model's outputs are referenced until forward
   ends and the loss for the whole step;
-- **backward**: the loss's gradient (a 0-dim tensor of ones), then per node in reverse
+- **backward**: the loss's gradient (a 0-dim tensor of ones; under a GradScaler the scaled
+  loss and its gradient, held through backward, and the loss's made from them), then per node in reverse
   order the gradients it allocates (input gradients of a new storage, or the output's
   gradient handed on; a parameter's gradient when backward first reaches it; a second
   gradient of a tied weight summed out of place), a mark, the output gradient freed when
   nothing refers to it any more, and autograd's release of what the node saved;
-- **optimizer**: the step's temporaries, per optimizer and implementation.
+- **optimizer**: the step's temporaries, per optimizer and implementation, over the
+  trainable parameters (after a GradScaler's ``unscale_``).
 
 A :class:`~symmem.graph.Repeat` is lowered as three copies, each between
 :class:`~symmem.plan.Begin` and :class:`~symmem.plan.End`: the first iteration (its input
