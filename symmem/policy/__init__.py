@@ -24,15 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from ..errors import ConfigError
 from ..rules import Ctx
+from .adapters import LoRA
+from .attention import ATTENTION
 from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
 from .recompute import RECOMPUTE, Recompute
 from .registry import Registry
-from .adapters import LoRA
-from .attention import ATTENTION
 from .slots import DEVICES, PARALLEL
 
 __all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "LoRA", "Registry",
@@ -44,7 +43,10 @@ class Policy:
     """How a training step is run. ``implementation="auto"`` is PyTorch's default: foreach
     on CUDA, the for-loop on the CPU. ``recompute`` is a spec (``"full"``, ``"every:2"``,
     ...) or a :class:`Recompute`; ``accumulate`` is the number of micro-batches of size
-    ``b`` whose gradients are summed before each optimizer step."""
+    ``b`` whose gradients are summed before each optimizer step. ``attention="auto"`` is the
+    model's own kernel, else ``sdpa``. ``lora`` is a rank (or ``"r"``, or a :class:`LoRA`)
+    for adapters on ``lora_targets`` (comma-separated module names; None: peft's default),
+    every other weight frozen; ``"none"`` for none."""
     precision: str = "fp32"
     optimizer: str = "adamw"
     device: str = "cuda"
