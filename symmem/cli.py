@@ -11,6 +11,7 @@ bad usage (argparse's own errors, such as a missing option or ``--batch 0``).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import functools
 import json
 import sys
@@ -95,7 +96,14 @@ def _model_options(p):
     src.add_argument("--config", metavar="PATH",
                      help="a local Hugging Face config.json, or the folder holding one "
                           "(nothing is downloaded)")
+    _tie_option(p)
     _policy_options(p)
+
+
+def _tie_option(p):
+    p.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
+                   help="tie the output layer to the token embedding (--tie) or give it its own weight "
+                        "(--no-tie), whatever the model's tie_word_embeddings says (default: the model's)")
 
 
 def _policy_options(p):
@@ -264,15 +272,21 @@ def policy_inputs(policy: Policy) -> dict:
 
 
 def _load(args, policy: Policy):
-    """The estimate of the model ``args`` names, once the model has accepted ``--seq``."""
-    if args.model is not None:
-        graph = models.preset(args.model)
-    else:
-        try:
-            graph = models.from_hf_config(args.config)
-        except OSError as e:      # unreadable file: say so, no traceback
-            raise ConfigError("config", args.config, "a readable config.json", str(e)) from None
-    return _preset_estimate(args.model, policy) if args.model is not None else estimate(graph, policy)
+    """The estimate of the model ``args`` names (``--tie/--no-tie`` applied), once the model
+    has accepted ``--seq``."""
+    tie = getattr(args, "tie", None)
+    if args.model is not None and tie is None:
+        return _preset_estimate(args.model, policy)
+    try:
+        fam, cfg = models.preset_config(args.model) if args.model is not None else models.hf_config(args.config)
+    except OSError as e:          # unreadable file: say so, no traceback
+        raise ConfigError("config", args.config, "a readable config.json", str(e)) from None
+    if tie is not None:
+        if not hasattr(cfg, "tie_word_embeddings"):
+            raise ConfigError("--tie" if tie else "--no-tie", tie, "a model whose config has tie_word_embeddings",
+                              f"The {fam.name} family has no tied output layer to choose.")
+        cfg = replace(cfg, tie_word_embeddings=tie)
+    return estimate(fam.build(cfg), policy)
 
 
 def _number(v):
@@ -293,7 +307,7 @@ def _report(args, policy: Policy) -> dict:
         "json": {
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
-                       "seq": args.seq, **policy_inputs(est.policy),
+                       "seq": args.seq, "tie": getattr(args, "tie", None), **policy_inputs(est.policy),
                        "attention_kernels": list(est.kernels)},
             "batch_per_step": args.batch * policy.accumulate,     # b*K sequences per optimizer step
             "bindings": {str(k): _number(v) for k, v in bindings.items()},
@@ -717,6 +731,7 @@ def _add_report_commands(sub) -> None:
                          "or of a folder holding one (or use --model / --config)")
     rp.add_argument("--model", metavar="NAME", help="a preset, by name or Hugging Face id")
     rp.add_argument("--config", metavar="PATH", help="a local config.json, or the folder holding one")
+    _tie_option(rp)
     rp.add_argument("--batch", type=positive_int, default=1, metavar="B",
                     help="micro-batch size b for the numbers (default: %(default)s)")
     rp.add_argument("--seq", type=positive_int, metavar="S",

@@ -73,7 +73,7 @@ def test_table_names_model_policy_and_peak(capsys, direct):
 
 def test_json_shape(capsys):
     j = run_json(capsys, *GPT2)
-    assert j["inputs"] == {"model": "gpt2", "config": None, "batch": 8, "seq": 1024,
+    assert j["inputs"] == {"model": "gpt2", "config": None, "batch": 8, "seq": 1024, "tie": None,
                            "precision": "fp32", "optimizer": "adamw", "device": "cuda",
                            "implementation": "auto", "recompute": "none", "accumulate": 1,
                            "attention": "sdpa", "parallel": "none", "implementation_resolved": "foreach",
@@ -422,3 +422,15 @@ def test_output_fits_88_columns_and_columns_stay_apart(capsys):
     rows = [line for line in big.splitlines() if line.startswith(("activations", "peak  "))]
     for row in rows:                        # label, bytes, size (and %) separated by 2+ spaces
         assert len([c for c in row.split("  ") if c.strip()]) >= 3, row
+
+
+def test_tie_and_no_tie_override_the_model(capsys):
+    """--no-tie gives GPT-2's output layer its own V x h weight (50,257 x 768 = 38,597,376 more
+    parameters); --tie keeps the model's own tying; the JSON echoes the choice."""
+    base = run_json(capsys, "estimate", "--model", "gpt2", "--batch", 1, "--seq", 8)
+    untied = run_json(capsys, "estimate", "--model", "gpt2", "--batch", 1, "--seq", 8, "--no-tie")
+    tied = run_json(capsys, "estimate", "--config", "examples/tiny-gpt2", "--batch", 1, "--seq", 8, "--tie")
+    assert untied["parameters"] - base["parameters"] == 50_257 * 768 == 38_597_376
+    assert (base["inputs"]["tie"], untied["inputs"]["tie"], tied["inputs"]["tie"]) == (None, False, True)
+    j = run_json(capsys, "max-batch", "--model", "gpt2", "--seq", 1024, "--no-tie", "--gpu", "H100-80GB")
+    assert j["max_batch"] >= 1
