@@ -143,7 +143,9 @@ def resolve(plan: Plan) -> list:
         if not st.explicit and any(_activation_holder(h) for h in st.holds):
             role = "activations"
         end = max([st.last_read, *ends.values()])
-        saved = st.created <= end_of_forward < end and any(
+        # what autograd keeps at the end of forward; the model's own tensors (a frozen weight a
+        # linear layer keeps) are counted as what they are, not again
+        saved = st.role not in ("params", "buffers") and st.created <= end_of_forward < end and any(
             _activation_holder(h) and p <= end_of_forward < ends[h] for h, p in st.holds.items())
         allocs[i] = (role, st.nbytes * st.count if saved else ZERO)
         if st.brief and not st.holds and end == st.created:

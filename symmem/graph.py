@@ -602,6 +602,9 @@ class Graph:
                     v = inst.inputs[int(sv.ref[2:])]
                     info = tr.info[v]
                     rows.append((sv.label, inst.node.inputs[int(sv.ref[2:])], info.numel, info.dtype.nbytes))
+                elif sv.ref.startswith("param:"):
+                    prm = inst.node.params[int(sv.ref[6:])]
+                    rows.append((sv.label, prm.name, prm.numel, sp.Symbol("B_w")))
                 elif sv.ref == "out":
                     rows.append((sv.label, inst.node.name, inst.fp.out.numel, inst.fp.out.dtype.nbytes))
                 else:

@@ -177,6 +177,8 @@ class _Lowering:
             return self.storage[inst.inputs[int(sv.ref[2:])]]
         if sv.ref == "out":
             return inst.out
+        if sv.ref.startswith("param:"):    # a weight itself: no new memory, but packed by the hooks
+            return inst.params[int(sv.ref[6:])]
         if sv.ref.startswith("cast:"):
             name = sv.ref[5:]
             return Key("cast", name, next(k.copy for k in inst.params if k.name == name))

@@ -114,7 +114,9 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Saved:
-    """One tensor saved for backward: ``ref`` is "inI", "out", "new" or "cast:PARAM".
+    """One tensor saved for backward: ``ref`` is "inI", "out", "new", "cast:PARAM" or
+    "param:I" (the node's I-th parameter itself: no new memory, but a tensor the
+    saved-tensor hooks see, so a checkpoint keeps its region's inputs for it).
 
     ``hooked`` False: a Python number autograd wraps in a 0-dim tensor and saves without
     the saved-tensor hooks (so a checkpoint keeps it, and a dispatch mode never sees it).

@@ -67,6 +67,8 @@ def linear_rule(node, ins, ctx):
         bwd_temp += sum((node.params[i].numel for i in trainable), sp.Integer(0)) * cast.nbytes
     elif keep_input:
         saved.append(Saved("input", "in0"))
+    elif x.requires_grad:                 # a frozen weight, kept for the input's gradient
+        saved.append(Saved("weight", "param:0"))
     casts = tuple((p.name, p.numel, cast) for p in node.params if p.trainable) if cast is not None else ()
     return Footprint(out, saved=tuple(saved), fwd_temp=fwd_temp, grads=_grads(ins), bwd_temp=bwd_temp,
                      late_inputs=late, late_params=trainable if cast is not None else False, casts=casts,
