@@ -44,6 +44,7 @@ import sympy as sp
 
 from .errors import ConfigError, ShapeError
 from .requirements import Requirement
+from .symbols import B_w
 
 __all__ = ["Param", "Node", "Repeat", "Graph", "Requirement"]
 
@@ -604,7 +605,7 @@ class Graph:
                     rows.append((sv.label, inst.node.inputs[int(sv.ref[2:])], info.numel, info.dtype.nbytes))
                 elif sv.ref.startswith("param:"):
                     prm = inst.node.params[int(sv.ref[6:])]
-                    rows.append((sv.label, prm.name, prm.numel, sp.Symbol("B_w")))
+                    rows.append((sv.label, prm.name, prm.numel, B_w))
                 elif sv.ref == "out":
                     rows.append((sv.label, inst.node.name, inst.fp.out.numel, inst.fp.out.dtype.nbytes))
                 else:
