@@ -264,8 +264,8 @@ def policy_inputs(policy: Policy) -> dict:
     PyTorch would pick for ``auto``."""
     out = {part.field: getattr(policy, part.field) for part in PARTS}
     out["recompute"] = str(policy.recompute)
-    out["lora"] = None if policy.lora is None else (str(policy.lora.rank) if not str(policy.lora.rank).isdigit()
-                                                     else int(policy.lora.rank))
+    rank = policy.lora.rank if policy.lora else None
+    out["lora"] = rank if rank is None or isinstance(rank, int) else str(rank)      # 8, or "r"
     out["lora_targets"] = list(policy.lora_targets) if policy.lora_targets else None
     out["implementation_resolved"] = policy.impl
     return out

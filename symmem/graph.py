@@ -460,9 +460,7 @@ class Graph:
         layer still computes, and saves for backward, its own activations, and backward
         sums the layers' gradients into one per weight."""
         i, rep = self._repeat_item(block)
-        body = Graph(rep.body.name, dict(rep.body.bindings), list(rep.body.items), self, rep.body.externals,
-                     rep.body.outputs, rep.body.requirements, dict(rep.body._shapes), {}, rep.body._taken,
-                     locals=rep.body.locals, attention=rep.body.attention)
+        body = replace(rep.body, items=list(rep.body.items), _shapes=dict(rep.body._shapes), _params={})
         clash = [n for n in rep.body._params if n in self._params]
         if clash:
             raise ConfigError("parameter name", clash[0], f"a name the block {block!r} does not share with "

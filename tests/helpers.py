@@ -11,3 +11,16 @@ def assert_repeat_matches_unrolled(rep, unr, n, points=((1, 1), (3, 7), (64, 204
         assert sp.expand(expr.subs(L, n) - unr.components[name]) == 0, name
     for bb, ss in points:
         assert rep.at(b=bb, s=ss, L=n).peak == unr.at(b=bb, s=ss).peak, (bb, ss)
+
+
+def assert_step_exact(est, report, b, s):
+    """A training step measured by ``symmem.measure.training_step`` against the estimate at
+    (b, s): the peak, the phase it is in, and each phase's own maximum, to the byte (the
+    formula must not be right only at the binding point)."""
+    ev = est.at(b=b, s=s)
+    subs = est._subs({"b": b, "s": s})
+    predicted = {phase: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == phase)
+                 for phase in report.phase_peaks}
+    assert (predicted, ev.peak) == (report.phase_peaks, report.peak), \
+        (ev.peak_point.where, report.peak_phase, report.peak_op)
+    assert ev.peak_point.phase == report.peak_phase

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import symmem as sm  # noqa: E402
 from symmem.measure import saved_bytes, training_step  # noqa: E402
+from helpers import assert_step_exact  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -69,16 +70,11 @@ def test_sdpa_training_step_peak_exact(point, precision):
     b, s, h, a, L, V, P, pdrop = point
     cfg, model = hf_model(h, a, L, V, P, pdrop)
     est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()), sm.Policy(precision, "adamw", "cpu", attention="sdpa"))
-    ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s))
     fwd = loss_fn(model, ids, precision)
     report = training_step(model, lambda m: fwd(), torch.optim.AdamW(model.parameters(), foreach=False),
                            extra=(ids,))
-    subs = est._subs({"b": b, "s": s})
-    predicted = {phase: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == phase)
-                 for phase in report.phase_peaks}
-    assert (predicted, ev.peak) == (report.phase_peaks, report.peak), (ev.peak_point.where, report.peak_phase, report.peak_op)
-    assert ev.peak_point.phase == report.peak_phase
+    assert_step_exact(est, report, b, s)
 
 
 @pytest.mark.parametrize("point", POINTS[:2], ids=ident)

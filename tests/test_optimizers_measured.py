@@ -16,6 +16,7 @@ import sympy as sp  # noqa: E402
 
 import symmem as sm  # noqa: E402
 from symmem.measure import training_step  # noqa: E402
+from helpers import assert_step_exact  # noqa: E402
 from symmem.policy import OPTIMIZERS  # noqa: E402
 from symmem.symbols import B_o  # noqa: E402
 
@@ -109,16 +110,10 @@ def test_training_step_peak_exact(point, precision, opt, impl):
     b, s, h, a, L, V, P, act = point
     cfg, model = hf_model(h, a, L, V, P, act)
     est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", impl, attention="eager"))
-    ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s))
     fwd = loss_fn(model, ids, precision)
     report = training_step(model, lambda m: fwd(), optimizer(opt, impl, model.parameters()), extra=(ids,))
-    assert ev.peak == report.peak, (ev.peak_point.where, report.peak_phase, report.peak_op)
-    assert ev.peak_point.phase == report.peak_phase
-    subs = est._subs({"b": b, "s": s})
-    predicted = {phase: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == phase)
-                 for phase in report.phase_peaks}
-    assert predicted == report.phase_peaks
+    assert_step_exact(est, report, b, s)
 
 
 class Tensors(torch.nn.Module):

@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import symmem as sm  # noqa: E402
 from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
+from helpers import assert_step_exact  # noqa: E402
 from test_gpt2_measured import POINTS, graph_of, hf_model, optimizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -34,11 +35,7 @@ def test_pure_half_precision_exact(point, precision, opt, impl):
     assert ev.bytes["activations"] == saved_bytes(lambda: model(ids, labels=ids).loss, exclude=model).total
     report = training_step(model, lambda m: m(ids, labels=ids).loss, optimizer(opt, impl, model.parameters()),
                            extra=(ids,))
-    subs = est._subs({"b": b, "s": s})
-    predicted = {phase: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == phase)
-                 for phase in report.phase_peaks}
-    assert (predicted, ev.peak) == (report.phase_peaks, report.peak), (ev.peak_point.where, report.peak_op)
-    assert ev.peak_point.phase == report.peak_phase
+    assert_step_exact(est, report, b, s)
 
 
 def test_half_precision_states_are_half():
@@ -65,7 +62,6 @@ def test_fp16_autocast_with_grad_scaler_exact(point, opt, impl, k):
     b, s, h, a, L, V, P, act = point
     cfg, model = hf_model(h, a, L, V, P, act)
     est = sm.estimate(graph_of(cfg), sm.Policy("fp16-mixed", opt, "cpu", impl, accumulate=k))
-    ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s))
 
     def fwd(m):
@@ -73,8 +69,4 @@ def test_fp16_autocast_with_grad_scaler_exact(point, opt, impl, k):
             return m(ids, labels=ids).loss
     report = training_step(model, fwd, optimizer(opt, impl, model.parameters()), extra=(ids,), accumulate=k,
                            scaler=torch.amp.GradScaler("cpu"))
-    subs = est._subs({"b": b, "s": s})
-    predicted = {phase: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == phase)
-                 for phase in report.phase_peaks}
-    assert (predicted, ev.peak) == (report.phase_peaks, report.peak), (ev.peak_point.where, report.peak_op)
-    assert ev.peak_point.phase == report.peak_phase
+    assert_step_exact(est, report, b, s)

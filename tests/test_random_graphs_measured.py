@@ -160,6 +160,14 @@ def test_random_graph_against_pytorch(ops, tied, p_drop, precision, optimizer, n
     assume(not (recompute == "full,reentrant" and precision == "bf16-mixed" and ops[0] in ("lin", "lin_bias", "mlp")))
     g = build(ops, tied, p_drop)
     g.bindings[L] = n                 # the model's own layers (a block may be derived with them bound)
+    _against_pytorch(g, precision, optimizer, recompute, accumulate, bb, ss)
+
+
+def _against_pytorch(g, precision, optimizer, recompute, accumulate, bb, ss):
+    """symmem's estimate of the random graph ``g`` against the Interpreter running it: bytes
+    saved for backward and the step's peak, exact. The optimizer gets the trainable weights,
+    as transformers' Trainer passes them (Adagrad would make its state for every weight it is
+    given, in its constructor)."""
     policy = sm.Policy(precision, optimizer, "cpu", recompute=recompute, accumulate=accumulate)
     try:
         est = sm.estimate(g, policy)
@@ -168,15 +176,17 @@ def test_random_graph_against_pytorch(ops, tied, p_drop, precision, optimizer, n
     torch.manual_seed(0)
     module = Interpreter(passes.prepare(g, policy).unrolled(), *RECOMPUTE[recompute])
     ids = torch.randint(0, 50, (bb, ss))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
 
     def loss():
-        with autocast:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
             return module(ids)
-
+    probe = loss()
+    assume(probe.requires_grad)       # some trainable weight reaches the loss
+    del probe
     ev = est.at(b=bb, s=ss)
     assert ev.bytes["activations"] == saved_bytes(loss, exclude=module).total
-    report = training_step(module, lambda m: loss(), OPTIMIZERS[optimizer](module.parameters()), extra=(ids,),
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    report = training_step(module, lambda m: loss(), OPTIMIZERS[optimizer](trainable), extra=(ids,),
                            accumulate=accumulate)
     assert ev.peak == report.peak, (ev.peak_point.where, report.peak_phase, report.peak_op)
 
@@ -203,29 +213,7 @@ def test_random_graph_with_frozen_weights_against_pytorch(ops, tied, p_drop, pre
     g.bindings[L] = n
     g = g.with_params(lambda p: replace(p, trainable=not FREEZE[freeze](p.name)))
     assume(any(p.trainable for p, _ in g.params()))
-    policy = sm.Policy(precision, optimizer, "cpu", recompute=recompute, accumulate=accumulate)
-    try:
-        est = sm.estimate(g, policy)
-    except ShapeError:
-        assume(False)
-    torch.manual_seed(0)
-    module = Interpreter(passes.prepare(g, policy).unrolled(), *RECOMPUTE[recompute])
-    ids = torch.randint(0, 50, (bb, ss))
-
-    def loss():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
-            return module(ids)
-    out = loss()
-    assume(out.requires_grad)         # some trainable weight reaches the loss
-    del out
-    ev = est.at(b=bb, s=ss)
-    assert ev.bytes["activations"] == saved_bytes(loss, exclude=module).total
-    # the optimizer gets the trainable weights, as transformers' Trainer passes them (Adagrad
-    # would make its state for every weight it is given, in its constructor)
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    report = training_step(module, lambda m: loss(), OPTIMIZERS[optimizer](trainable), extra=(ids,),
-                           accumulate=accumulate)
-    assert ev.peak == report.peak, (ev.peak_point.where, report.peak_phase, report.peak_op)
+    _against_pytorch(g, precision, optimizer, recompute, accumulate, bb, ss)
 
 
 def _reentrant(ops, tied, precision, optimizer, bb, ss):

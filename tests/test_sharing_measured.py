@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import symmem as sm  # noqa: E402
 from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
+from helpers import assert_step_exact  # noqa: E402
 from test_gpt2_measured import POINTS, graph_of, hf_model, loss_fn, optimizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -38,11 +39,7 @@ def test_shared_layers_exact(point, precision, opt, impl):
     fwd = loss_fn(model, ids, precision)
     assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
     report = training_step(model, lambda m: fwd(), optimizer(opt, impl, model.parameters()), extra=(ids,))
-    subs = est._subs({"b": b, "s": s})
-    predicted = {phase: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == phase)
-                 for phase in report.phase_peaks}
-    assert (predicted, ev.peak) == (report.phase_peaks, report.peak), (ev.peak_point.where, report.peak_op)
-    assert ev.peak_point.phase == report.peak_phase
+    assert_step_exact(est, report, b, s)
 
 
 def test_shared_weights_are_counted_once():
