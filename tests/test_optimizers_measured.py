@@ -91,6 +91,9 @@ def optimizer(name, impl, params):
         return torch.optim.Adafactor(params, **kw)
     if name == "adafactor-hf":   # as transformers' Trainer makes it (optim="adafactor")
         return transformers.optimization.Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False)
+    if name == "adafactor-hf-momentum":
+        return transformers.optimization.Adafactor(params, lr=1e-3, beta1=0.9, scale_parameter=False,
+                                                   relative_step=False)
     if name == "lion":
         return (LionForeach if impl == "foreach" else Lion)(params)
     raise KeyError(name)
@@ -98,7 +101,7 @@ def optimizer(name, impl, params):
 
 IMPLS = {"adagrad": ("for-loop", "foreach", "fused"), "rmsprop": ("for-loop", "foreach"),
          "rmsprop-momentum": ("for-loop", "foreach"), "adafactor": ("for-loop", "foreach"),
-         "adafactor-hf": ("for-loop",), "lion": ("for-loop", "foreach")}
+         "adafactor-hf": ("for-loop",), "adafactor-hf-momentum": ("for-loop",), "lion": ("for-loop", "foreach")}
 CASES = [(point, precision, opt, impl) for opt, impls in IMPLS.items() for impl in impls
          for precision in ("fp32", "bf16-mixed") for point in (POINTS[0], POINTS[2])]
 

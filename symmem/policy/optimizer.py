@@ -204,15 +204,17 @@ def _adafactor_hf_state(shape) -> sp.Expr:
     return _adafactor_state(shape) + 1
 
 
-def _adafactor_hf_for_loop(order, params) -> list:
-    """transformers/optimization.py, ``Adafactor.step`` (beta1=None, weight_decay=0, float32
-    parameters: no float32 copies of a half parameter or gradient; the Trainer's
-    scale_parameter=False, relative_step=False, so ``lr`` is a float). ``update`` outlives its
-    parameter until ``update = (grad**2) + eps[0]`` (prev + 2n: the square and the sum beside
-    the previous parameter's). A matrix's ``torch.mul(r_factor, c_factor)`` beside that sum and
-    both factors (2n + r + c, r = numel/C, c = numel/R); a vector's ``exp_avg_sq.rsqrt()`` and
+def _adafactor_hf_for_loop(order, params, first_moment: bool = False) -> list:
+    """transformers/optimization.py, ``Adafactor.step`` (weight_decay=0, float32 parameters: no
+    float32 copies of a half parameter or gradient; the Trainer's scale_parameter=False,
+    relative_step=False, so ``lr`` is a float). ``update = (grad**2) + eps[0]``: the square and
+    the sum (2n) beside the previous parameter's ``update`` (prev), which the loop's local keeps
+    until this rebinding. A matrix's ``torch.mul(r_factor, c_factor)`` beside that sum and both
+    factors (2n + r + c, r = numel/C, c = numel/R); a vector's ``exp_avg_sq.rsqrt()`` and
     ``p.add_(-update)`` (2n); ``self._rms(update) / clip_threshold``, two 0-dim tensors beside
-    it (n + 2). One mark per distinct total."""
+    it (n + 2). With a first moment (``beta1`` set), ``update = exp_avg`` drops the computed
+    update once it is added into the state, so ``-update`` is n beside nothing and the local
+    the next parameter meets is a state (prev = 0). One mark per distinct total."""
     prev = ZERO
     marks = {}
     for p in order:
@@ -220,10 +222,20 @@ def _adafactor_hf_for_loop(order, params) -> list:
         moments = [prev + 2 * n, n + 2]
         if _factored(p.shape):
             moments.append(2 * n + n / p.shape[-1] + n / p.shape[-2])
-        prev = n
+        prev = ZERO if first_moment else n
         for m in moments:
             marks.setdefault(sp.expand(m * B_o), p.name)
     return [(name, temp) for temp, name in marks.items()]
+
+
+def _adafactor_hf_momentum_for_loop(order, params) -> list:
+    return _adafactor_hf_for_loop(order, params, first_moment=True)
+
+
+def _adafactor_hf_momentum_state(shape) -> sp.Expr:
+    """As transformers' Adafactor without a first moment, plus ``exp_avg``: the parameter's
+    size (``torch.zeros_like(grad)``)."""
+    return _adafactor_hf_state(shape) + (sp.Mul(*shape) if shape else sp.Integer(1))
 
 
 @dataclass(frozen=True)
@@ -289,6 +301,11 @@ for _o in (Optimizer("sgd", 0, False, _SGD, "SGD without momentum: p -= lr * g, 
                      "relative_step=False, beta1=None; float32 parameters): factored exp_avg_sq "
                      "and a 0-dim RMS",
                      _adafactor_hf_state),
+           Optimizer("adafactor-hf-momentum", 0, False, (("for-loop", _adafactor_hf_momentum_for_loop),),
+                     "transformers' Adafactor with a first moment (beta1=0.9; scale_parameter=False, "
+                     "relative_step=False; float32 parameters): exp_avg, the factored exp_avg_sq and "
+                     "a 0-dim RMS",
+                     _adafactor_hf_momentum_state),
            Optimizer("lion", 1, False, _LION, "Lion (lucidrains/lion-pytorch, weight_decay=0): exp_avg; "
                      "no step counter")):
     OPTIMIZERS.register(_o)
