@@ -38,7 +38,7 @@ from .graph import Graph, Repeat
 from .plan import (AUTOGRAD, CACHE, LOOP, OUTPUTS, Alloc, Backward, Begin, Compute, End, Free, Hold, Key,
                    Mark, Plan, Release)
 from .policy import Policy
-from .symbols import B_g, B_m, B_o, B_w
+from .symbols import B_g, B_m, B_w
 
 __all__ = ["lower", "autograd"]
 
@@ -103,8 +103,9 @@ class _Lowering:
         buffers = [(node, m, self.info[(node.name, 0 if m == 1 else 1)].nbytes) for node, m in graph.buffers()]
         components = {"params": N * B_w, "grads": T * B_g,
                       "master": T * B_m if prec.master else ZERO,
-                      "optimizer": sp.expand(sum((opt.state_elements(p) * m for p, m in trained), ZERO)) * B_o
-                      + (4 * tensors if policy.step_on_device else 0),
+                      "optimizer": sp.expand(sum((opt.state_bytes(p) * m for p, m in trained), ZERO)
+                                             + (4 * tensors if policy.step_on_device else 0)
+                                             + (opt.shared if trained else 0)),
                       "buffers": sp.expand(sum((nb * m for _, m, nb in buffers), ZERO))}
         events = []
         for p, m in params:
@@ -113,10 +114,12 @@ class _Lowering:
                 continue
             if prec.master:
                 events.append(Alloc(Key("master", p.name), p.numel * B_m, "master", m))
-            if opt.state_elements(p) != 0:
-                events.append(Alloc(Key("state", p.name), opt.state_elements(p) * B_o, "optimizer", m))
+            if opt.state_bytes(p) != 0:
+                events.append(Alloc(Key("state", p.name), opt.state_bytes(p), "optimizer", m))
             if policy.step_on_device:
                 events.append(Alloc(Key("step", p.name), sp.Integer(4), "optimizer", m))
+        if opt.shared and trained:     # one set for the optimizer (bitsandbytes' quantization maps)
+            events.append(Alloc(Key("state", f"{opt.name} shared"), opt.shared, "optimizer"))
         if prec.scaler:       # torch.amp.GradScaler: its float32 scale and int32 growth tracker
             events.append(Alloc(Key("state", "grad scaler"), sp.Integer(8), "optimizer"))
             components["optimizer"] += 8
@@ -287,7 +290,7 @@ class _Lowering:
                                 "transient"))
         order = [p for p in _param_order(graph.items) if p.trainable]
         trained = [(p, m) for p, m in graph.params() if p.trainable]
-        for where, temp in policy.opt.step_temps(policy.impl, order, trained):
+        for where, temp in policy.opt.step_temps(policy.impl, order, trained, policy.device):
             events.append(Mark("optimizer", where, (("transient", temp),)))
         if policy.prec.scaler:
             events.append(Free(Key("value", "found_inf"), sp.Integer(4), "transient"))

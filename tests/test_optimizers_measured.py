@@ -161,3 +161,94 @@ def test_an_implementation_pytorch_lacks_is_refused():
     g = sm.models.preset("gpt2")
     with pytest.raises(sm.ConfigError, match="no fused implementation"):
         sm.estimate(g, sm.Policy("fp32", "rmsprop", "cuda", "fused"))
+
+
+# --------------------------------------------------------------------------- 8-bit Adam
+
+def profiled_step(opt) -> int:
+    """The largest total of what one ``opt.step()`` allocates above its start, every allocation
+    inside an op included: torch.profiler with ``profile_memory`` records the allocator's events,
+    where the dispatch tracker of ``symmem.measure`` sees bitsandbytes' update as one custom op."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = top = 0
+    for e in events:
+        live += e.nbytes()
+        top = max(top, live)
+    assert live == 0, "the step keeps what it allocates"
+    return top
+
+
+def adam8bit(params):
+    bnb = pytest.importorskip("bitsandbytes")
+    return bnb.optim.AdamW8bit(params)
+
+
+def adam8bit_state_bytes(opt) -> int:
+    """Every distinct storage of the optimizer's state and its quantization maps."""
+    tensors = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+    tensors += list(opt.name2qmap.values())
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+#: 4096 elements, the first kept in 8 bits; 30000 (ceil(30000/256) = 118 blocks); vectors and
+#: matrices below 4096 (32-bit states), in both orders
+SHAPES_8BIT = [[(5,), (64, 64), (100, 300), (), (4095,)], [(100, 300), (7, 2), (4096,), (64, 128)]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shapes", SHAPES_8BIT, ids=["vector-first", "matrix-first"])
+def test_adam8bit_state_and_cpu_step_of_any_shape(shapes, dtype):
+    """bitsandbytes' AdamW8bit on tensors of any size: its state to the byte (a tensor of n >= 4096
+    elements: 2n + 8 ceil(n/256), e.g. 30000 -> 60000 + 944; a smaller one 8n in float32; the two
+    256-float maps once: 2048), and the CPU fallback's largest temporaries, every allocation inside
+    its op (20n + 12 for an 8-bit state, 12n + 12 for a 32-bit one, + 4n for a bfloat16 tensor's
+    float32 copy)."""
+    model = Tensors(shapes).to(getattr(torch, dtype))
+    opt = adam8bit(model.parameters())
+    for _ in range(2):          # the state is made at the first step
+        opt.zero_grad(set_to_none=True)
+        model().backward()
+        opt.step()
+    model().backward()
+    o = OPTIMIZERS["adam8bit"]
+    params = [(sm.Param(f"p{i}", tuple(sp.Integer(d) for d in sh)), 1) for i, sh in enumerate(shapes)]
+    state = sum(int(o.state_bytes(p)) for p, _ in params) + int(o.shared)
+    assert state == adam8bit_state_bytes(opt)
+    marks = o.step_temps("for-loop", [p for p, _ in params], params, "cpu")
+    B_w = sm.symbols.B_w
+    assert max(int(t.subs(B_w, 4 if dtype == "float32" else 2)) for _, t in marks) == profiled_step(opt)
+    # on CUDA the update is one kernel per tensor, in place (bitsandbytes/backends/cuda/ops.py
+    # passes pointers to kOptimizerStatic8bit2StateBlockwise and kOptimizer32bit2State)
+    assert [t for _, t in o.step_temps("for-loop", [p for p, _ in params], params, "cuda")] == [0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("point", [POINTS[1], POINTS[2]], ids=["h64", "h48"])
+def test_adam8bit_training_step_exact(point, precision):
+    """AdamW8bit on Hugging Face's GPT-2 (h=64: every matrix 8-bit, c_proj's 64x64 at the 4096
+    boundary; h=48: c_proj's 48x48 and the 32x48 position table 32-bit): forward and backward
+    to the byte, the optimizer's state to the byte, and the step's largest moment as the
+    profiler measures the step of the same model and state."""
+    b, s, h, a, L, V, P, act = point
+    cfg, model = hf_model(h, a, L, V, P, act)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, "adam8bit", "cpu", attention="eager"))
+    ids = torch.randint(0, V, (b, s))
+    fwd = loss_fn(model, ids, precision)
+    opt = adam8bit(model.parameters())
+    report = training_step(model, lambda m: fwd(), opt, extra=(ids,))
+    ev = est.at(b=b, s=s)
+    subs = est._subs({"b": b, "s": s})
+    predicted = {phase: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == phase)
+                 for phase in report.phase_peaks}
+    assert int(est.components["optimizer"].xreplace(subs)) == adam8bit_state_bytes(opt)
+    # the dispatch tracker sees the update as one op: the optimizer phase is its start plus what
+    # the profiler measures inside the op, for one more step of the same model
+    start = next(x.live_bytes for x in report.timeline if x.phase == "optimizer")
+    opt.zero_grad(set_to_none=True)
+    fwd().backward()
+    measured = {**report.phase_peaks, "optimizer": start + profiled_step(opt)}
+    assert predicted == measured
+    assert ev.peak == max(measured.values())

@@ -25,7 +25,7 @@ from typing import Callable
 import sympy as sp
 
 from ..errors import ConfigError
-from ..symbols import B_o
+from ..symbols import B_o, B_w
 from .registry import Registry
 
 __all__ = ["Optimizer", "Implementation", "OPTIMIZERS", "IMPLEMENTATIONS"]
@@ -238,6 +238,47 @@ def _adafactor_hf_momentum_state(shape) -> sp.Expr:
     return _adafactor_hf_state(shape) + (sp.Mul(*shape) if shape else sp.Integer(1))
 
 
+#: bitsandbytes' 8-bit optimizers: a parameter of fewer elements keeps 32-bit states
+#: (``min_8bit_size``), a larger one one byte per state element and a float32 scale per block
+#: (bitsandbytes/optim/optimizer.py, ``Optimizer2State.init_state``).
+MIN_8BIT_SIZE, BLOCK_8BIT = 4096, 256
+#: the signed and unsigned dynamic quantization maps (``qmap1``, ``qmap2``): 256 float32 each,
+#: made once per optimizer (``Optimizer8bit.fill_qmap``) and shared by every parameter's state
+QMAPS_8BIT = sp.Integer(2 * 256 * 4)
+
+
+def _numel(shape) -> sp.Expr:
+    return sp.Mul(*shape) if shape else sp.Integer(1)
+
+
+def _adam8bit_state(shape) -> sp.Expr:
+    """``state1`` (exp_avg) and ``state2`` (exp_avg_sq): n uint8 each and ``absmax1``,
+    ``absmax2``: ceil(n/256) float32 each, for n >= 4096 elements: 2n + 8 ceil(n/256) bytes;
+    a smaller parameter's are float32 whatever its dtype: 8n (bitsandbytes/optim/optimizer.py,
+    ``Optimizer2State.init_state``; ``state["step"]`` is a Python int, ``unorm_vec`` only with
+    ``max_unorm > 0``)."""
+    n = _numel(shape)
+    return sp.Piecewise((8 * n, n < MIN_8BIT_SIZE), (2 * n + 8 * sp.ceiling(n / BLOCK_8BIT), True))
+
+
+def _adam8bit_cpu(order, params) -> list:
+    """bitsandbytes' CPU fallback (bitsandbytes/backends/cpu/ops.py), one parameter at a time,
+    its locals freed when the op returns. An 8-bit state (n >= 4096):
+    ``_optimizer_update_8bit_blockwise_cpu`` dequantizes ``state1`` and ``state2`` to float32
+    (8n), makes ``grad = g.float() * gnorm_scale`` (4n, with an 8- and a 4-byte scalar) and
+    ``denom = (state2_fp32.sqrt() / correction2)`` (the root and the quotient, 8n): 20n + 12.
+    A 32-bit state (``_optimizer_update_32bit_cpu``): the gradient's copy, ``state2.sqrt()``
+    and ``+ eps * correction2`` (12n + 12). A parameter that is not float32 adds its float32
+    copy ``p.data.float()`` (4n, written back at the end): 2 (4 - B_w) n, exact for B_w 4 and 2.
+    Measured with torch.profiler (every allocation inside the op), tests/test_optimizers_measured.py."""
+    marks = {}
+    for p in order:
+        n = p.numel
+        temp = sp.Piecewise((12 * n, n < MIN_8BIT_SIZE), (20 * n, True)) + 2 * (4 - B_w) * n + 12
+        marks.setdefault(sp.expand(temp), p.name)
+    return [(name, temp) for temp, name in marks.items()]
+
+
 @dataclass(frozen=True)
 class Optimizer:
     """``states`` tensors of each parameter's size (in ``B_o``), or ``state_numel(shape)``
@@ -250,20 +291,32 @@ class Optimizer:
     temps: tuple            # ((implementation, StepTemps), ...)
     description: str
     state_numel: Callable | None = None     # shape -> state elements, else states x numel
+    state_nbytes: Callable | None = None    # shape -> state bytes, where not priced B_o per element
+    shared: sp.Expr = ZERO                  # bytes the optimizer keeps once, for all parameters
+    cpu_temps: StepTemps | None = None      # the step's temporaries on the CPU, where they differ
 
     def state_elements(self, param) -> sp.Expr:
         """The state this optimizer keeps for ``param``, in elements (priced ``B_o``)."""
         return self.state_numel(param.shape) if self.state_numel else self.states * param.numel
 
+    def state_bytes(self, param) -> sp.Expr:
+        """The state this optimizer keeps for ``param``, in bytes: its elements priced
+        ``B_o``, or its own layout (8-bit states with their block scales)."""
+        if self.state_nbytes:
+            return self.state_nbytes(param.shape)
+        return self.state_elements(param) * B_o
+
     def has(self, implementation: str) -> bool:
         """Does PyTorch (or the reference) implement this optimizer so?"""
         return implementation in dict(self.temps)
 
-    def step_temps(self, implementation: str, order, params) -> list:
+    def step_temps(self, implementation: str, order, params, device: str = "cuda") -> list:
         temps = dict(self.temps)
         if implementation not in temps:
             raise ConfigError("implementation", implementation, f"one of {', '.join(temps)} for {self.name}",
                               f"{self.name} has no {implementation} implementation.")
+        if device == "cpu" and self.cpu_temps is not None:
+            return self.cpu_temps(order, params)
         return temps[implementation](order, params)
 
     def counters_on_device(self, device: str, implementation: str) -> bool:
@@ -306,6 +359,12 @@ for _o in (Optimizer("sgd", 0, False, _SGD, "SGD without momentum: p -= lr * g, 
                      "relative_step=False; float32 parameters): exp_avg, the factored exp_avg_sq and "
                      "a 0-dim RMS",
                      _adafactor_hf_momentum_state),
+           Optimizer("adam8bit", 2, False, (("for-loop", _none),),
+                     "bitsandbytes' Adam8bit/AdamW8bit (block-wise, min_8bit_size=4096): exp_avg and "
+                     "exp_avg_sq in one byte per element with a float32 scale per 256, a smaller tensor's "
+                     "in float32; one fused kernel per parameter, in place on CUDA (the CPU fallback "
+                     "dequantizes to float32)",
+                     state_nbytes=_adam8bit_state, shared=QMAPS_8BIT, cpu_temps=_adam8bit_cpu),
            Optimizer("lion", 1, False, _LION, "Lion (lucidrains/lion-pytorch, weight_decay=0): exp_avg; "
                      "no step counter")):
     OPTIMIZERS.register(_o)
