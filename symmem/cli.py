@@ -245,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     except SymmemError as e:
         print(f"symmem: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:     # the reader stopped early (`symmem ... | head`): not an error
+        sys.stdout = None
+        return 0
 
 
 # --------------------------------------------------------------------------- estimate

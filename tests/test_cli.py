@@ -275,6 +275,12 @@ def test_console_script(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("symmem: error: unknown model 'gpt-3'") and "Traceback" not in bad.stderr
+    # a reader that has gone before the output comes (`symmem ... | head -c 0`): exit 0, no
+    # traceback (the pipe is closed at once; the estimate prints only once it is derived)
+    proc = subprocess.Popen([script, "estimate", "--config", TINY, "--batch", "2", "--seq", "16",
+                             "--format", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 0 and b"Traceback" not in proc.stderr.read()
 
 
 # ----------------------------------------------------------------------------- max-batch / solve
