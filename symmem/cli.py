@@ -27,7 +27,6 @@ from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
 from .printing import latex as render_latex_expr
 from .policy import PARTS, Policy
 from .plan import ROLES
-from .symbols import B_w
 
 __all__ = ["main", "build_parser"]
 
@@ -314,7 +313,7 @@ def _report(args, policy: Policy) -> dict:
                        "attention_kernels": list(est.kernels)},
             "batch_per_step": args.batch * policy.accumulate,     # b*K sequences per optimizer step
             "bindings": {str(k): _number(v) for k, v in bindings.items()},
-            "parameters": int(est.components["params"].xreplace({**bindings, B_w: 1})),
+            "parameters": int(est.prepared.param_count().xreplace(bindings)),
             "bytes": {k: ev.bytes[k] for k in (*COMPONENTS, "peak")},
             "peak_phase": point.phase,
             "peak_node": point.node,

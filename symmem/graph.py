@@ -59,10 +59,15 @@ def _numel(shape: Shape) -> sp.Expr:
 class Param:
     """A named tensor of the model's weights. Tying = using the same Param object twice.
     ``trainable`` False: frozen (``requires_grad=False``): no gradient, no optimizer state,
-    and the ops that read it save only what the other inputs' gradients need."""
+    and the ops that read it save only what the other inputs' gradients need. ``dtype``
+    None: stored in the precision's dtype for its role (priced ``B_w``, its gradient ``B_g``,
+    its optimizer state ``B_o``); else a dtype of its own for all three (``"float32"``: peft's
+    adapters in a half-precision model), or a quantized format of a frozen weight (``"int4"``,
+    ``"int8"``: :mod:`symmem.policy.quantize`)."""
     name: str
     shape: Shape
     trainable: bool = True
+    dtype: str | None = None
 
     @property
     def numel(self) -> sp.Expr:
@@ -135,12 +140,12 @@ class Graph:
     attention: str | None = None   # the attention kernel the model asks for (a config's attn_implementation)
 
     # ----- building ---------------------------------------------------------------
-    def param(self, name: str, shape) -> Param:
+    def param(self, name: str, shape, trainable: bool = True, dtype: str | None = None) -> Param:
         """Declare a parameter (a name may be declared once per graph)."""
         if name in self._params:
             raise ConfigError("parameter name", name, "a name not used before in this graph",
                               "Reuse the returned Param object to tie weights.")
-        p = Param(name, tuple(sp.sympify(d) for d in shape))
+        p = Param(name, tuple(sp.sympify(d) for d in shape), trainable, dtype)
         self._params[name] = p
         return p
 

@@ -33,16 +33,45 @@ from __future__ import annotations
 
 import sympy as sp
 
+from .dtypes import dtype_bytes
 from .footprints import Instance, trace
 from .graph import Graph, Repeat
 from .plan import (AUTOGRAD, CACHE, LOOP, OUTPUTS, Alloc, Backward, Begin, Compute, End, Free, Hold, Key,
                    Mark, Plan, Release)
 from .policy import Policy
-from .symbols import B_g, B_m, B_w
+from .policy.quantize import QUANTIZE
+from .symbols import B_g, B_m, B_o, B_w
 
-__all__ = ["lower", "autograd"]
+__all__ = ["lower", "autograd", "weight_bytes", "grad_bytes", "own_dtype"]
 
 ZERO = sp.Integer(0)
+
+
+def weight_bytes(p) -> sp.Expr:
+    """A parameter's storage: ``numel * B_w``, or in its own dtype, or its quantized layout
+    (an (out, in) weight, :mod:`symmem.policy.quantize`)."""
+    if p.dtype is None:
+        return p.numel * B_w
+    q = QUANTIZE.get(p.dtype)
+    if q is not None and q.nbytes is not None:
+        return q.nbytes(*p.shape)
+    return p.numel * dtype_bytes(p.dtype)
+
+
+def grad_bytes(p) -> sp.Expr:
+    """A trainable parameter's gradient: in its own dtype (``B_g`` for the precision's)."""
+    return p.numel * (B_g if p.dtype is None else dtype_bytes(p.dtype))
+
+
+def own_dtype(params) -> dict:
+    """Byte symbols rebound for parameters that all carry one dtype of their own (peft's float32
+    adapters in a half-precision model): their optimizer states and step temporaries are in it,
+    as torch keeps them in the dtype of what they step."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) == 1 and None not in dtypes:
+        nbytes = dtype_bytes(dtypes.pop())
+        return {B_o: nbytes, B_w: nbytes}
+    return {}
 
 
 def _block(rep: Repeat) -> str:
@@ -96,26 +125,30 @@ class _Lowering:
         graph, policy = self.graph, self.policy
         params = graph.params()
         trained = [(p, m) for p, m in params if p.trainable]   # frozen: no gradient, master or state
-        N = sp.expand(sum((p.numel * m for p, m in params), ZERO))
-        T = sp.expand(sum((p.numel * m for p, m in trained), ZERO))
+        # the master copy: of the trainable weights in the precision's dtype
+        M = sp.expand(sum((p.numel * m for p, m in trained if p.dtype is None), ZERO))
         tensors = sp.expand(sum((m for _, m in trained), ZERO))
         opt, prec = policy.opt, policy.prec
+
+        def state(p):       # in the parameter's own dtype where it has one
+            return opt.state_bytes(p).xreplace(own_dtype([p]))
         buffers = [(node, m, self.info[(node.name, 0 if m == 1 else 1)].nbytes) for node, m in graph.buffers()]
-        components = {"params": N * B_w, "grads": T * B_g,
-                      "master": T * B_m if prec.master else ZERO,
-                      "optimizer": sp.expand(sum((opt.state_bytes(p) * m for p, m in trained), ZERO)
+        components = {"params": sp.expand(sum((weight_bytes(p) * m for p, m in params), ZERO)),
+                      "grads": sp.expand(sum((grad_bytes(p) * m for p, m in trained), ZERO)),
+                      "master": M * B_m if prec.master else ZERO,
+                      "optimizer": sp.expand(sum((state(p) * m for p, m in trained), ZERO)
                                              + (4 * tensors if policy.step_on_device else 0)
                                              + (opt.shared if trained else 0)),
                       "buffers": sp.expand(sum((nb * m for _, m, nb in buffers), ZERO))}
         events = []
         for p, m in params:
-            events.append(Alloc(Key("param", p.name), p.numel * B_w, "params", m))
+            events.append(Alloc(Key("param", p.name), weight_bytes(p), "params", m))
             if not p.trainable:
                 continue
-            if prec.master:
+            if prec.master and p.dtype is None:
                 events.append(Alloc(Key("master", p.name), p.numel * B_m, "master", m))
-            if opt.state_bytes(p) != 0:
-                events.append(Alloc(Key("state", p.name), opt.state_bytes(p), "optimizer", m))
+            if state(p) != 0:
+                events.append(Alloc(Key("state", p.name), state(p), "optimizer", m))
             if policy.step_on_device:
                 events.append(Alloc(Key("step", p.name), sp.Integer(4), "optimizer", m))
         if opt.shared and trained:     # one set for the optimizer (bitsandbytes' quantization maps)
@@ -244,10 +277,10 @@ class _Lowering:
                 if kind != when or not p.trainable:     # a frozen weight gets no gradient
                     continue
                 if key in seen:           # a tied weight: a second gradient, added in below
-                    tied += p.numel * B_g
+                    tied += grad_bytes(p)
                 else:
                     seen.add(key)
-                    out.append(Alloc(Key("grad", key.name, key.copy), p.numel * B_g, "grads"))
+                    out.append(Alloc(Key("grad", key.name, key.copy), grad_bytes(p), "grads"))
             return tied
 
         tied = allocate("now")
@@ -285,13 +318,14 @@ class _Lowering:
             # found_inf and the per-device copies; found_inf is held until update()
             events += [Mark("optimizer", "grad scaler unscale_", (("transient", sp.Integer(16)),)),
                        Alloc(Key("value", "found_inf"), sp.Integer(4), "transient")]
-        if policy.prec.master:
-            events.append(Alloc(Key("master grads", "all"), graph.param_count(trainable_only=True) * B_m,
-                                "transient"))
-        order = [p for p in _param_order(graph.items) if p.trainable]
         trained = [(p, m) for p, m in graph.params() if p.trainable]
+        if policy.prec.master:
+            master = sp.expand(sum((p.numel * m for p, m in trained if p.dtype is None), ZERO))
+            events.append(Alloc(Key("master grads", "all"), master * B_m, "transient"))
+        order = [p for p in _param_order(graph.items) if p.trainable]
+        rebind = own_dtype([p for p, _ in trained])
         for where, temp in policy.opt.step_temps(policy.impl, order, trained, policy.device):
-            events.append(Mark("optimizer", where, (("transient", temp),)))
+            events.append(Mark("optimizer", where, (("transient", temp.xreplace(rebind)),)))
         if policy.prec.scaler:
             events.append(Free(Key("value", "found_inf"), sp.Integer(4), "transient"))
         return events

@@ -275,8 +275,7 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
     return {
         "version": __version__,
         "title": title if title is not None else f"symmem report: {name}",
-        "model": {"name": name, "parameters": int(est.components["params"].xreplace(
-            {**bindings, TABLE["B_w"].symbol: 1})),
+        "model": {"name": name, "parameters": int(est.prepared.param_count().xreplace(bindings)),
             "bindings": [{"name": str(k), "symbol": _sym(k), "latex": latex(_sym(k)),
                           "value": sp.sympify(v)} for k, v in est.graph.bindings.items()]},
         "policy": {"precision": est.policy.precision, "optimizer": est.policy.optimizer,

@@ -25,12 +25,18 @@ CASES = [  # point, attention, precision, rank, targets, optimizer
     (POINTS[1], "sdpa", "fp32", 8, ("c_attn", "c_proj"), "adamw"),
     (POINTS[1], "sdpa", "bf16-mixed", 2, ("c_attn", "c_proj", "c_fc"), "sgd"),
     (POINTS[2], "eager", "bf16-mixed", 8, ("c_fc", "c_proj"), "adam"),
+    # a bfloat16 (float16) model: peft upcasts the adapters to float32
+    (POINTS[0], "eager", "bf16", 4, ("c_attn", "c_fc"), "adamw"),
+    (POINTS[1], "sdpa", "fp16", 8, ("c_attn",), "sgd"),
 ]
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def lora_model(point, attention, rank, targets):
+def lora_model(point, attention, rank, targets, precision="fp32"):
     b, s, h, a, L, V, P, act = point
     cfg, model = hf_model(h, a, L, V, P, act)
+    if precision in HALF:
+        model.to(HALF[precision])
     if attention != "eager":
         cfg._attn_implementation = attention
         model.config._attn_implementation = attention
@@ -43,13 +49,15 @@ def lora_model(point, attention, rank, targets):
                          ids=[f"b{p[0]}-s{p[1]}-{at}-{pr}-r{r}-{'+'.join(t)}-{o}" for p, at, pr, r, t, o in CASES])
 def test_lora_exact(point, attention, precision, rank, targets, opt):
     b, s, h, a, L, V, P, act = point
-    cfg, model = lora_model(point, attention, rank, targets)
+    cfg, model = lora_model(point, attention, rank, targets, precision)
+    if precision in HALF:
+        assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", lora=rank, lora_targets=",".join(targets)))
     ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s))
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert ev.bytes["params"] == param_bytes(model)
-    fwd = loss_fn(model, ids, precision)
+    fwd = loss_fn(model, ids, precision) if precision not in HALF else (lambda: model(ids, labels=ids).loss)
     assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
     report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", trainable), extra=(ids,))
     assert_step_exact(est, report, b, s)

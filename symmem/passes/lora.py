@@ -16,6 +16,12 @@ node ``N`` whose module name ends with a target becomes, in the order of
     N.lora_scale = . * scaling                  # a Python number (an 8-byte scalar on the CPU)
     N            = N.base_layer + N.lora_scale
 
+In a half-precision model (``bf16``, ``fp16``: ``model.to(dtype)``) ``get_peft_model``
+upcasts the adapters to float32 (``autocast_adapter_dtype=True``, its default): their
+weights, gradients and optimizer states are float32 (``Param.dtype``), ``N.lora_x`` is a
+float32 copy of x, the sum is float32 (type promotion) and ``result.to(torch_result_dtype)``
+casts it back (``N``, after ``N.lora_sum``).
+
 A target that matches no linear layer is an error that lists the model's.
 """
 from __future__ import annotations
@@ -59,6 +65,9 @@ def prepare(graph: Graph, policy) -> Graph:
             raise ConfigError("lora_targets", t, f"a linear layer of {graph.name!r}: one of {', '.join(known)}",
                               "Name the projections to adapt, e.g. --lora-targets c_attn,c_proj.")
     frozen = graph.with_params(lambda p: replace(p, trainable=False))
+    prec = policy.prec
+    upcast = not prec.autocast and prec.compute != "float32"     # float32 adapters, a half model
+    adapter = "float32" if upcast else None
 
     def rewrite(node, sub: Graph) -> bool:
         if not _matches(node, lora.targets):
@@ -70,15 +79,19 @@ def prepare(graph: Graph, policy) -> Graph:
         with sub.scope(**dict(node.attrs)):
             base = sub.add("linear", x, params=node.params, name=f"{node.name}.base_layer")
         with sub.scope(**{k: v for k, v in node.attrs if k != "conv1d"}):
-            y = sub.add("to_param_dtype", x, name=f"{node.name}.lora_x")
+            y = sub.add("to_float32" if upcast else "to_param_dtype", x, name=f"{node.name}.lora_x")
             sub.hold(y, until=node.name)           # forward's rebound local x, until it returns
             y = sub.add("dropout", y, p=lora.dropout, name=f"{node.name}.lora_dropout")
-            y = sub.add("linear", y, params=(sub.param(f"{stem}.lora_A.weight", (lora.rank, n_in)),),
-                        name=f"{node.name}.lora_A")
-            y = sub.add("linear", y, params=(sub.param(f"{stem}.lora_B.weight", (n_out, lora.rank)),),
-                        name=f"{node.name}.lora_B")
+            a = sub.param(f"{stem}.lora_A.weight", (lora.rank, n_in), dtype=adapter)
+            y = sub.add("linear", y, params=(a,), name=f"{node.name}.lora_A")
+            b = sub.param(f"{stem}.lora_B.weight", (n_out, lora.rank), dtype=adapter)
+            y = sub.add("linear", y, params=(b,), name=f"{node.name}.lora_B")
             y = sub.add("scale", y, name=f"{node.name}.lora_scale")
-            sub.add("add", base, y, name=node.name)
+            if upcast:       # float32 + half is float32; result.to(torch_result_dtype)
+                y = sub.add("add", base, y, name=f"{node.name}.lora_sum")
+                sub.add("to_compute", y, name=node.name)
+            else:
+                sub.add("add", base, y, name=node.name)
         return True
 
     return frozen.rewritten(rewrite)

@@ -47,8 +47,9 @@ class Precision:
 
     def ctx(self, device: str) -> Ctx:
         """What the rules need to know: autocast, the device, the compute dtype priced B_a."""
+        half = self.compute != "float32"     # ranks below float32 in type promotion
         return Ctx(autocast=self.autocast, device=device,
-                   act=DType("compute", B_a, 2 if self.autocast else 3), act_name=self.compute)
+                   act=DType("compute", B_a, 2 if half else 3), act_name=self.compute)
 
 
 _4, _2, _0 = sp.Integer(4), sp.Integer(2), sp.Integer(0)
