@@ -185,7 +185,7 @@ class _Lowering:
                         late.append(key)
                     if sv.brief:
                         brief.append(key)
-                holds.append(Hold(key, holder))
+                holds.append(Hold(key, LOOP if sv.graph else holder))
             for name, numel, dtype in fp.casts:      # autocast caches one copy per weight
                 key = Key("cast", name, next(k.copy for k in inst.params if k.name == name))
                 if key not in cast_seen:

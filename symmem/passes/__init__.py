@@ -12,13 +12,14 @@ schedules, inference) are further modules here.
 """
 from __future__ import annotations
 
-from . import accumulate, attention, lora, recompute
+from . import accumulate, attention, lora, quantize, recompute
 
-__all__ = ["PASSES", "prepare", "run", "attention", "lora", "recompute", "accumulate"]
+__all__ = ["PASSES", "prepare", "run", "attention", "quantize", "lora", "recompute", "accumulate"]
 
 #: The passes, in the order they rewrite a graph and a plan: the attention kernel first, so
-#: that recomputation sees the kernel's operators.
-PASSES = (attention, lora, recompute, accumulate)
+#: that recomputation sees the kernel's operators; quantized layers before the adapters that
+#: wrap them.
+PASSES = (attention, quantize, lora, recompute, accumulate)
 
 
 def prepare(graph, policy):

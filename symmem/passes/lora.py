@@ -16,6 +16,12 @@ node ``N`` whose module name ends with a target becomes, in the order of
     N.lora_scale = . * scaling                  # a Python number (an 8-byte scalar on the CPU)
     N            = N.base_layer + N.lora_scale
 
+Around a quantized layer (:mod:`symmem.passes.quantize`) peft's ``lora.bnb`` layer runs
+instead (``peft.tuners.lora.bnb.Linear4bit.forward``): ``result = base(x).clone()``; with
+autocast off (``torch.is_autocast_enabled()``, the CUDA flag, so on the CPU always) x is cast
+to the adapters' dtype and their output back to the result's (``N.lora_out``) before
+``result + output``.
+
 In a half-precision model (``bf16``, ``fp16``: ``model.to(dtype)``) ``get_peft_model``
 upcasts the adapters to float32 (``autocast_adapter_dtype=True``, its default): their
 weights, gradients and optimizer states are float32 (``Param.dtype``), ``N.lora_x`` is a
@@ -39,9 +45,13 @@ def _module(node) -> str:
     return node.name.rsplit("/", 1)[-1]
 
 
+#: the linear layers LoRA wraps: plain, and bitsandbytes' (the quantize pass's)
+LINEAR = ("linear", "linear_int4", "linear_int8")
+
+
 def _matches(node, targets) -> bool:
     mod = _module(node)
-    return node.op == "linear" and any(mod == t or mod.endswith("." + t) for t in targets)
+    return node.op in LINEAR and any(mod == t or mod.endswith("." + t) for t in targets)
 
 
 def linear_modules(graph: Graph) -> tuple[str, ...]:
@@ -50,7 +60,7 @@ def linear_modules(graph: Graph) -> tuple[str, ...]:
     for item in graph.items:
         if hasattr(item, "body"):
             out += linear_modules(item.body)
-        elif item.op == "linear":
+        elif item.op in LINEAR:
             out.append(_module(item).rsplit(".", 1)[-1])
     return tuple(dict.fromkeys(out))
 
@@ -76,9 +86,12 @@ def prepare(graph: Graph, policy) -> Graph:
         w = node.params[0]
         n_in, n_out = (w.shape[0], w.shape[1]) if node.attr("conv1d") else (w.shape[1], w.shape[0])
         stem = w.name.rsplit(".", 1)[0]
+        bnb = node.op != "linear"           # peft's lora.bnb layer around a quantized one
         with sub.scope(**dict(node.attrs)):
-            base = sub.add("linear", x, params=node.params, name=f"{node.name}.base_layer")
-        with sub.scope(**{k: v for k, v in node.attrs if k != "conv1d"}):
+            base = sub.add(node.op, x, params=node.params, name=f"{node.name}.base_layer")
+        with sub.scope(**{k: v for k, v in node.attrs if k not in ("conv1d", "block")}):
+            if bnb:
+                base = sub.add("clone", base, name=f"{node.name}.result")
             y = sub.add("to_float32" if upcast else "to_param_dtype", x, name=f"{node.name}.lora_x")
             sub.hold(y, until=node.name)           # forward's rebound local x, until it returns
             y = sub.add("dropout", y, p=lora.dropout, name=f"{node.name}.lora_dropout")
@@ -87,7 +100,10 @@ def prepare(graph: Graph, policy) -> Graph:
             b = sub.param(f"{stem}.lora_B.weight", (n_out, lora.rank), dtype=adapter)
             y = sub.add("linear", y, params=(b,), name=f"{node.name}.lora_B")
             y = sub.add("scale", y, name=f"{node.name}.lora_scale")
-            if upcast:       # float32 + half is float32; result.to(torch_result_dtype)
+            if bnb:          # output.to(expected_dtype), then result + output
+                y = sub.add("to_compute", y, name=f"{node.name}.lora_out")
+                sub.add("add", base, y, name=node.name)
+            elif upcast:     # float32 + half is float32; result.to(torch_result_dtype)
                 y = sub.add("add", base, y, name=f"{node.name}.lora_sum")
                 sub.add("to_compute", y, name=node.name)
             else:

@@ -15,6 +15,8 @@ Each part is chosen from a registry (:mod:`symmem.policy.registry`), one module 
   its backends); ``auto`` resolves to the model's own or ``sdpa``;
 - ``lora`` and ``lora_targets`` (:mod:`~symmem.policy.adapters`): LoRA adapters of rank
   R (or the symbol ``r``) on the named projections, the base model frozen;
+- ``quantize`` (:mod:`~symmem.policy.quantize`): the frozen linear weights stored in int8
+  or 4-bit NF4 (bitsandbytes), under LoRA adapters (QLoRA);
 - ``parallel`` (:mod:`~symmem.policy.slots`): one entry today.
 
 :data:`PARTS` describes every part for the command line, which generates its options,
@@ -30,12 +32,14 @@ from .adapters import LoRA
 from .attention import ATTENTION
 from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
+from .quantize import QUANTIZE, Quantization
 from .recompute import RECOMPUTE, Recompute
 from .registry import Registry
 from .slots import DEVICES, PARALLEL
 
 __all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "LoRA", "Registry",
-           "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION", "PARALLEL"]
+           "Quantization", "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION",
+           "QUANTIZE", "PARALLEL"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ class Policy:
     ``b`` whose gradients are summed before each optimizer step. ``attention="auto"`` is the
     model's own kernel, else ``sdpa``. ``lora`` is a rank (or ``"r"``, or a :class:`LoRA`)
     for adapters on ``lora_targets`` (comma-separated module names; None: peft's default),
-    every other weight frozen; ``"none"`` for none."""
+    every other weight frozen; ``"none"`` for none. ``quantize``: ``"int4"`` (QLoRA's NF4) or
+    ``"int8"`` stores the frozen linear weights so (with ``lora``, in a pure precision)."""
     precision: str = "fp32"
     optimizer: str = "adamw"
     device: str = "cuda"
@@ -56,6 +61,7 @@ class Policy:
     attention: str = "auto"
     lora: LoRA | int | str | None = "none"
     lora_targets: tuple | str | None = None
+    quantize: str = "none"
     parallel: str = "none"
 
     def __post_init__(self):
@@ -70,10 +76,34 @@ class Policy:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError("accumulate", k, "a whole number of micro-batches >= 1",
                               "1 means no gradient accumulation.")
+        if self.quantize != "none":
+            self._check_quantize()
+
+    def _check_quantize(self):
+        """What bitsandbytes' layers are modelled with: LoRA adapters on a model loaded in one
+        dtype (the layers compute in it), and int8 on the CPU only."""
+        q = self.quantize
+        if self.lora is None:
+            raise ConfigError("quantize", q, "a quantized model with LoRA adapters (--lora R)",
+                              "A quantized model trains adapters only (transformers' Trainer refuses "
+                              "a purely quantized one): add --lora 16 for QLoRA.")
+        if self.prec.autocast or self.prec.master:
+            raise ConfigError("precision with --quantize", self.precision, "fp32, bf16 or fp16",
+                              "Load the model in one dtype and compute the quantized layers in it, as "
+                              "QLoRA does (torch_dtype and bnb_4bit_compute_dtype bfloat16): --precision "
+                              "bf16. Autocast over quantized layers is not modelled.")
+        if q == "int8" and self.device != "cpu":
+            raise ConfigError("quantize on cuda", q, "int4 (or int8 with --device cpu)",
+                              "On CUDA LLM.int8() runs MatMul8bitLt, whose int8 kernels and "
+                              "data-dependent outlier columns symmem does not model yet.")
 
     @property
     def prec(self) -> Precision:
         return PRECISIONS[self.precision]
+
+    @property
+    def quant(self) -> Quantization:
+        return QUANTIZE[self.quantize]
 
     @property
     def opt(self) -> Optimizer:
@@ -112,6 +142,8 @@ class Policy:
             out += f"; {self.accumulate} micro-batches of b per optimizer step (batch b*{self.accumulate})"
         if self.lora:
             out += f"; {self.lora}, the rest frozen"
+        if self.quantize != "none":
+            out += f"; {self.quantize} ({self.quant.description})"
         return out
 
 
@@ -144,5 +176,7 @@ PARTS = (
          "LoRA adapters of rank R (r: the rank as a symbol) on --lora-targets, every other weight frozen"),
     Part("lora_targets", "--lora-targets", None, "NAMES",
          "the projections LoRA adapts, comma-separated (None: peft's default for the model, c_attn)"),
+    Part("quantize", "--quantize", QUANTIZE, "NAME",
+         "frozen linear weights stored quantized by bitsandbytes (with --lora: QLoRA is int4)"),
     Part("parallel", "--parallel", PARALLEL, "NAME", "the parallel layout"),
 )

@@ -31,10 +31,11 @@ Layout (module -> rules):
   from PyTorch's ``autocast_mode.cpp`` / ``autocast_mode.h``; rules ask
   :meth:`Ctx.autocast_dtype` instead of branching on the device;
 - ``views``: input, carry, split, heads, merge_heads;
-- ``elementwise``: add, scale, dropout, gelu, gelu_new, relu, to_compute, to_param_dtype,
+- ``elementwise``: add, scale, dropout, gelu, gelu_new, relu, clone, to_compute, to_param_dtype,
   to_float32;
 - ``normalization``: layer_norm, softmax, log_softmax;
 - ``linalg``: linear, matmul;
+- ``quantized``: linear_int4, linear_int8 (bitsandbytes' layers with frozen quantized weights);
 - ``attention``: attention (the node a model writes; the attention pass replaces it),
   sdpa_kernel (flash, mem-efficient, cuDNN), sdpa_causal_mask;
 - ``embeddings``: embedding, positions, position_embedding, causal_mask;
@@ -52,12 +53,13 @@ from .core import (BOOL, F32, F64, I64, RULES, Ctx, DType, Footprint, NodeLike, 
                    TensorInfo, get_rule, infer_shape, rule)
 # the kind modules register their rules on import
 from .attention import attention_rule, sdpa_causal_mask_rule, sdpa_kernel_rule
-from .elementwise import (add_rule, dropout_rule, gelu_new_rule, gelu_rule, relu_rule, scale_rule,
-                          to_compute_rule, to_float32_rule, to_param_dtype_rule)
+from .elementwise import (add_rule, clone_rule, dropout_rule, gelu_new_rule, gelu_rule, relu_rule,
+                          scale_rule, to_compute_rule, to_float32_rule, to_param_dtype_rule)
 from .embeddings import causal_mask_rule, embedding_rule, position_embedding_rule, positions_rule
 from .linalg import linear_rule, matmul_rule
 from .losses import nll_loss_rule
 from .normalization import layer_norm_rule, log_softmax_rule, softmax_rule
+from .quantized import linear_int4_rule, linear_int8_rule
 from .views import carry_rule, heads_rule, input_rule, merge_heads_rule, split_rule
 
 __all__ = ["DType", "TensorInfo", "Saved", "Footprint", "Ctx", "NodeLike", "Rule", "rule",

@@ -124,7 +124,10 @@ class Saved:
     so it is saved after the kernel runs; the other saved tensors exist before it (inputs,
     casts, copies), which is where a non-reentrant checkpoint's recomputation stops.
     ``brief``: made and consumed inside a composite op (the tanh of ``gelu_new``): when
-    nothing keeps it for backward it is freed before the op's largest moment."""
+    nothing keeps it for backward it is freed before the op's largest moment.
+    ``graph``: kept as an attribute of an ``autograd.Function``'s ``ctx`` (bitsandbytes'
+    ``ctx.A``), not through ``save_for_backward``: backward does not release it; it lives
+    as long as the autograd graph, which the training loop's loss keeps through the step."""
     label: str
     ref: str
     numel: sp.Expr = sp.Integer(0)
@@ -132,6 +135,7 @@ class Saved:
     hooked: bool = True
     after: bool = False
     brief: bool = False
+    graph: bool = False
 
     @property
     def nbytes(self) -> sp.Expr:

@@ -11,7 +11,7 @@ from ..errors import ShapeError
 from .core import BOOL, F32, F64, Footprint, Saved, TensorInfo, _grads, _promote, rule
 
 __all__ = ["add_rule", "scale_rule", "dropout_rule", "gelu_rule", "gelu_new_rule", "relu_rule",
-           "to_compute_rule", "to_param_dtype_rule", "to_float32_rule"]
+           "clone_rule", "to_compute_rule", "to_param_dtype_rule", "to_float32_rule"]
 
 
 def _broadcast(node, x: tuple, y: tuple) -> tuple:
@@ -127,6 +127,14 @@ def to_compute_rule(node, ins, ctx):
     if ctx.same(x.dtype, ctx.act):
         return Footprint(x, alias=0, grads=_grads(ins, "pass"))
     return Footprint(TensorInfo(x.shape, ctx.act, x.contiguous, x.requires_grad), grads=_grads(ins))
+
+
+@rule("clone")
+def clone_rule(node, ins, ctx):
+    """``x.clone()``: a copy in x's dtype and layout; saves nothing, and backward hands the
+    gradient on (CloneBackward0)."""
+    x = ins[0]
+    return Footprint(TensorInfo(x.shape, x.dtype, x.contiguous, x.requires_grad), grads=_grads(ins, "pass"))
 
 
 @rule("to_param_dtype")

@@ -1,0 +1,67 @@
+"""Linear layers with quantized frozen weights: bitsandbytes' ``Linear4bit`` (NF4 with double
+quantization, QLoRA's) and ``Linear8bitLt`` (LLM.int8()), as transformers' ``load_in_4bit`` /
+``load_in_8bit`` make them (layouts: :mod:`symmem.policy.quantize`). The weight is (out, in),
+frozen; the layer computes in its input's dtype (``compute_dtype`` the model's dtype; the
+quantize pass refuses autocast).
+
+Neither layer saves anything through ``save_for_backward``: what its backward needs rides on
+``ctx`` attributes, which saved-tensor hooks (and so checkpoints) never see.
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from ..errors import ShapeError
+from .core import Footprint, Saved, TensorInfo, _grads, rule
+
+__all__ = ["linear_int4_rule", "linear_int8_rule"]
+
+
+def _shapes(node, x):
+    out_features, in_features = node.params[0].shape
+    if sp.simplify(x.shape[-1] - in_features) != 0:
+        raise ShapeError(node.name, x.shape, f"a last dimension of {in_features}")
+    return TensorInfo(tuple(x.shape[:-1]) + (out_features,), x.dtype, True, x.requires_grad)
+
+
+@rule("linear_int4")
+def linear_int4_rule(node, ins, ctx):
+    """``bnb.nn.Linear4bit`` -> ``bnb.matmul_4bit`` -> ``MatMul4Bit`` (bitsandbytes/autograd/
+    _functions.py) with a nested quantization state: ``gemm_4bit`` dequantizes the 8-bit block
+    scales to float32 (``dequantize_blockwise(...) + offset``: 4 ceil(n/64) bytes), the weight to
+    the input's dtype (n elements), then ``F.linear`` (backends/default/ops.py,
+    ``_gemm_4bit_default_impl``; CUDA's ``gemm_4bit`` takes the same fallback above 256 rows of
+    input, ``_dequant_linear_fallback``, its own kernel only below). ``ctx.tensors = (None, B)``:
+    the packed weight, no new memory. Backward: ``grad_output @ F.dequantize_4bit(B,
+    state).to(grad_output.dtype)``: the weight in its original dtype (the model's: no second
+    copy) beside the input's gradient; ``F.dequantize_4bit``'s float32 scales (4 ceil(n/64)) are
+    freed when it returns, before the product (so at b*s*in*dtype < 4 ceil(n/64) bytes, a
+    handful of tokens, the moment before it is larger by the difference).
+    ``block``: weights per 8-bit scale (64)."""
+    x = ins[0]
+    out = _shapes(node, x)
+    n = node.params[0].numel
+    weight = n * x.dtype.nbytes
+    return Footprint(out, fwd_temp=4 * sp.ceiling(n / node.attr("block", 64)) + weight, grads=_grads(ins),
+                     bwd_temp=weight if x.requires_grad else 0)
+
+
+@rule("linear_int8")
+def linear_int8_rule(node, ins, ctx):
+    """``bnb.nn.Linear8bitLt`` (``has_fp16_weights=False``) in training. ``ctx.A = A``: where the
+    input requires grad (else autograd records no node) it stays alive as long as the autograd
+    graph, through backward and, while the training loop holds the loss, the optimizer step (a
+    ``ctx`` attribute: not released after the node's backward, unseen by checkpoints). On the
+    CPU, ``MatMul8bitFp`` (bitsandbytes/autograd/_functions.py):
+    ``CB.to(A.dtype).mul_(SCB.unsqueeze(1).mul(1/127))``, the weight dequantized (n elements in
+    x's dtype; its 4*out-byte scale is gone before the output is made), then ``F.linear``;
+    backward the same copy (``CB.to(dtype, copy=True)``) beside the input's gradient. On CUDA
+    ``MatMul8bitLt``, whose int8 kernels and outlier columns (inputs above ``threshold``,
+    data-dependent) are not modelled: the policy refuses int8 there."""
+    x = ins[0]
+    w = node.params[0]
+    out = _shapes(node, x)
+    scratch = w.numel * x.dtype.nbytes
+    saved = (Saved("input (ctx.A)", "in0", hooked=False, graph=True),) if x.requires_grad else ()
+    return Footprint(out, saved=saved, fwd_temp=scratch,
+                     grads=_grads(ins), bwd_temp=scratch if x.requires_grad else 0)

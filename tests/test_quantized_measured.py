@@ -1,0 +1,223 @@
+"""QLoRA against bitsandbytes and peft on the CPU: Hugging Face's GPT-2 with its block
+projections replaced by bitsandbytes' ``Linear4bit`` (NF4, double quantization, as
+transformers' ``load_in_4bit`` makes them) and peft's adapters on top, trained one step:
+parameters and their quantization state, the peak, its phase and every phase's maximum, to
+the byte; the 4-bit layout against bitsandbytes' own tensors at several shapes.
+
+bitsandbytes runs its forward as one custom op (``gemm_4bit``: dequantize the scales and the
+weight, then ``F.linear``), whose allocations the dispatch tracker of ``symmem.measure``
+cannot see inside. On the CPU that op *is* bitsandbytes' Python default kernel
+(``backends/default/ops.py``, ``_gemm_4bit_default_impl``), so the tests call that kernel
+directly: the same operations, each of them visible to the tracker.
+"""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+
+import sympy as sp  # noqa: E402
+
+import symmem as sm  # noqa: E402
+from symmem.measure import param_bytes, training_step  # noqa: E402
+from symmem.policy.quantize import int4_bytes, int8_bytes  # noqa: E402
+from helpers import assert_step_exact  # noqa: E402
+from test_gpt2_measured import POINTS, graph_of, hf_model, optimizer  # noqa: E402
+
+from bitsandbytes.backends.default import ops as bnb_default  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROJECTIONS = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
+
+
+@pytest.fixture(autouse=True)
+def gemm_4bit_visible(monkeypatch):
+    """MatMul4Bit's forward calls bitsandbytes' default kernel itself (what the CPU runs)."""
+    class Gemm4bit:
+        default = staticmethod(bnb_default._gemm_4bit_default_impl)
+    monkeypatch.setattr(torch.ops.bitsandbytes, "gemm_4bit", Gemm4bit)
+
+
+def int4_linear(weight, bias, dtype):
+    """``bnb.nn.Linear4bit`` holding ``weight`` (out, in), quantized on the CPU as transformers
+    quantizes a checkpoint's weight (``Params4bit(...).to(device)``)."""
+    out_f, in_f = weight.shape
+    lin = bnb.nn.Linear4bit(in_f, out_f, bias=bias is not None, compute_dtype=dtype,
+                            compress_statistics=True, quant_type="nf4")
+    lin.weight = bnb.nn.Params4bit(weight.detach().clone(), requires_grad=False, blocksize=64,
+                                   compress_statistics=True, quant_type="nf4", module=lin).to("cpu")
+    if bias is not None:
+        lin.bias = torch.nn.Parameter(bias.detach().clone())
+    return lin
+
+
+def int8_linear(weight, bias, dtype):
+    """``bnb.nn.Linear8bitLt`` (``has_fp16_weights=False``, transformers' ``llm_int8_threshold``
+    6.0) holding ``weight`` (out, in), quantized on the CPU (``Int8Params(...).to(device)``)."""
+    out_f, in_f = weight.shape
+    lin = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias is not None, has_fp16_weights=False, threshold=6.0)
+    lin.weight = bnb.nn.Int8Params(weight.detach().clone(), requires_grad=False,
+                                   has_fp16_weights=False).to("cpu")
+    if bias is not None:
+        lin.bias = torch.nn.Parameter(bias.detach().clone())
+    return lin
+
+
+def quant_state_tensors(module):
+    """Every quantization-state tensor of the 4-bit layers: the 8-bit scales, the codes, the
+    offset, the nested float32 scales (not parameters or buffers of the module)."""
+    out = []
+    for m in module.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            qs = m.weight.quant_state
+            out += [qs.absmax, qs.code, qs.offset, qs.state2.absmax, qs.state2.code]
+        elif isinstance(m, bnb.nn.Linear8bitLt):        # the float32 scale per output row
+            out.append(m.weight.SCB if m.weight.SCB is not None else m.state.SCB)
+    return out
+
+
+def storage_bytes(tensors):
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def qlora_model(point, precision, rank, targets, bits=4):
+    """GPT-2 in ``precision``, its block projections in 4 (or 8) bits (Conv1D's (in, out)
+    weight transposed, as transformers quantizes one), then ``get_peft_model``."""
+    b, s, h, a, L, V, P, act = point
+    cfg, model = hf_model(h, a, L, V, P, act)
+    dtype = DTYPES[precision]
+    model.to(dtype)
+    for block in model.transformer.h:
+        for part, name in PROJECTIONS:
+            conv = getattr(getattr(block, part), name)
+            make = int4_linear if bits == 4 else int8_linear
+            setattr(getattr(block, part), name, make(conv.weight.t(), conv.bias, dtype))
+    # what peft asks before it wraps bitsandbytes' layers
+    model.is_loaded_in_4bit, model.is_loaded_in_8bit = bits == 4, bits == 8
+    config = peft.LoraConfig(r=rank, lora_alpha=16, target_modules=list(targets), lora_dropout=0.0)
+    return cfg, peft.get_peft_model(model, config)
+
+
+CASES = [  # point, precision, rank, targets, optimizer
+    (POINTS[0], "fp32", 4, ("c_attn",), "adamw"),
+    (POINTS[1], "bf16", 8, ("c_attn", "c_proj", "c_fc"), "adamw"),
+    (POINTS[2], "fp16", 2, ("c_fc",), "sgd"),
+    (POINTS[3], "bf16", 4, ("c_attn", "c_proj"), "adam"),
+    # a small vocabulary and wide layers: the peaks of forward and backward at the 4-bit layers
+    ((2, 8, 128, 4, 2, 20, 16, "gelu_new"), "fp32", 4, ("c_attn", "c_fc"), "adamw"),
+    ((2, 8, 128, 4, 2, 20, 16, "gelu_new"), "bf16", 8, ("c_proj",), "sgd"),
+]
+
+
+@pytest.mark.parametrize("point,precision,rank,targets,opt", CASES,
+                         ids=[f"b{p[0]}-s{p[1]}-h{p[2]}-{pr}-r{r}-{'+'.join(t)}-{o}" for p, pr, r, t, o in CASES])
+def test_qlora_exact(point, precision, rank, targets, opt):
+    b, s, h, a, L, V, P, act = point
+    cfg, model = qlora_model(point, precision, rank, targets)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", attention="eager", lora=rank,
+                                               lora_targets=",".join(targets), quantize="int4"))
+    ev = est.at(b=b, s=s)
+    states = quant_state_tensors(model)
+    assert len(states) == 5 * 4 * L
+    assert ev.bytes["params"] == param_bytes(model) + storage_bytes(states)
+    ids = torch.randint(0, V, (b, s))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    report = training_step(model, lambda m: m(ids, labels=ids).loss, optimizer(opt, "for-loop", trainable),
+                           extra=(ids, states))
+    assert_step_exact(est, report, b, s)
+
+
+INT8_CASES = [  # point, precision, rank, targets, optimizer
+    (POINTS[0], "fp32", 4, ("c_attn",), "adamw"),
+    (POINTS[2], "bf16", 8, ("c_attn", "c_fc"), "sgd"),
+    ((2, 8, 128, 4, 2, 20, 16, "gelu_new"), "fp32", 4, ("c_fc", "c_proj"), "adamw"),
+    ((2, 8, 128, 4, 2, 20, 16, "gelu_new"), "bf16", 2, ("c_attn",), "adam"),
+]
+
+
+@pytest.mark.parametrize("point,precision,rank,targets,opt", INT8_CASES,
+                         ids=[f"b{p[0]}-s{p[1]}-h{p[2]}-{pr}-r{r}-{'+'.join(t)}-{o}"
+                              for p, pr, r, t, o in INT8_CASES])
+def test_int8_lora_exact(point, precision, rank, targets, opt):
+    """LoRA over LLM.int8() weights, bitsandbytes' CPU path (``MatMul8bitFp``)."""
+    b, s, h, a, L, V, P, act = point
+    cfg, model = qlora_model(point, precision, rank, targets, bits=8)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", attention="eager", lora=rank,
+                                               lora_targets=",".join(targets), quantize="int8"))
+    ev = est.at(b=b, s=s)
+    ids = torch.randint(0, V, (b, s))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fwd = lambda m: m(ids, labels=ids).loss  # noqa: E731
+    fwd(model)                               # the first forward moves CB and SCB into the layer's state
+    states = quant_state_tensors(model)
+    assert ev.bytes["params"] == param_bytes(model) + storage_bytes(states)
+    report = training_step(model, fwd, optimizer(opt, "for-loop", trainable), extra=(ids, states))
+    assert_step_exact(est, report, b, s)
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (300, 100), (96, 32), (7, 9)])
+def test_int4_layout_against_bitsandbytes(shape):
+    """The packed weight and every quantization constant, for shapes whose element count is
+    and is not a multiple of the blocks: (300, 100) has ceil(30000/64) = 469 scales, and
+    ceil(469/256) = 2 nested ones: 15000 + 469 + 8 + 1092 = 16569 bytes."""
+    lin = int4_linear(torch.randn(*shape), None, torch.float32)
+    measured = storage_bytes([lin.weight.data] + quant_state_tensors(lin))
+    assert measured == int4_bytes(sp.Integer(shape[0]), sp.Integer(shape[1]))
+    assert int4_bytes(sp.Integer(300), sp.Integer(100)) == 16569
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (300, 100), (7, 9)])
+def test_int8_layout_against_bitsandbytes(shape):
+    """LLM.int8(): the int8 weight and a float32 scale per output row: (300, 100) is
+    30000 + 1200 = 31200 bytes."""
+    lin = int8_linear(torch.randn(*shape), None, torch.float32)
+    measured = storage_bytes([lin.weight.data] + quant_state_tensors(lin))
+    assert measured == int8_bytes(sp.Integer(shape[0]), sp.Integer(shape[1]))
+    assert int8_bytes(sp.Integer(300), sp.Integer(100)) == 31200
+
+
+def test_the_output_head_stays_unquantized():
+    """transformers keeps lm_head (tied to wte) in the model's dtype: only the blocks' 4·L
+    projections are 4-bit, each with its 1092 bytes of per-layer constants."""
+    g = sm.estimate("gpt2", sm.Policy("bf16", "adamw", quantize="int4", lora=8)).prepared
+    q = [p for p, _ in g.params() if p.dtype == "int4"]
+    assert sorted(p.name for p in q) == ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                                         "mlp.c_proj.weight"]
+    assert all(not p.trainable for p in q)
+    assert dict((p.name, p.shape) for p in q)["attn.c_attn.weight"] == (3 * sm.symbols.h, sm.symbols.h)
+
+
+def test_qlora_on_a_24_gb_card_is_one_command(capsys):
+    """"Can I fine-tune GPT-2 XL with QLoRA on a 24 GB card?": one command, the largest batch,
+    beside LoRA over the bfloat16 weights."""
+    from symmem.cli import main
+    args = ["max-batch", "--model", "gpt2-xl", "--seq", "1024", "--precision", "bf16", "--lora", "16",
+            "--lora-targets", "c_attn,c_proj,c_fc", "--gpu", "RTX-4090", "--format", "json"]
+    assert main(args + ["--quantize", "int4"]) == 0
+    qlora = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert qlora["max_batch"] >= lora["max_batch"] >= 1
+    assert "int4 (QLoRA's NF4" in qlora["policy"]
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"quantize": "int4"}, "quantize = 'int4' is not valid: expected a quantized model with LoRA adapters "
+                           "(--lora R). A quantized model trains adapters only"),
+    ({"quantize": "int4", "lora": 8, "precision": "bf16-mixed"},
+     "precision with --quantize = 'bf16-mixed' is not valid: expected fp32, bf16 or fp16"),
+    ({"quantize": "int4", "lora": 8, "precision": "bf16-master"}, "expected fp32, bf16 or fp16"),
+    ({"quantize": "int8", "lora": 8, "precision": "bf16"},
+     "quantize on cuda = 'int8' is not valid: expected int4 (or int8 with --device cpu)"),
+    ({"quantize": "int3", "lora": 8}, "unknown quantization 'int3'"),
+])
+def test_bad_quantize_input_is_refused(kwargs, words):
+    with pytest.raises(sm.errors.SymmemError) as e:
+        sm.Policy(**kwargs)
+    assert words in str(e.value)
