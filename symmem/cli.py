@@ -99,10 +99,26 @@ def _model_options(p):
     _policy_options(p)
 
 
+#: what ``--share`` can share: a config field set true, or the model's repeated block
+SHARE = {"qkv": "one projection for the query, key and value (the model's shared_qkv)",
+         "layers": "one set of weights for every layer, as ALBERT does (Graph.with_shared_layers)"}
+
+
+def _share(value: str) -> tuple:
+    parts = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [p for p in parts if p not in SHARE]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"expected {' and/or '.join(SHARE)}, comma-separated, got {value!r}")
+    return parts
+
+
 def _tie_option(p):
     p.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None,
                    help="tie the output layer to the token embedding (--tie) or give it its own weight "
                         "(--no-tie), whatever the model's tie_word_embeddings says (default: the model's)")
+    p.add_argument("--share", type=_share, default=None, metavar="WHAT",
+                   help="share weights: " + "; ".join(f"{k}: {v}" for k, v in SHARE.items())
+                        + " (comma-separated)")
 
 
 def _policy_options(p):
@@ -276,8 +292,8 @@ def policy_inputs(policy: Policy) -> dict:
 def _load(args, policy: Policy):
     """The estimate of the model ``args`` names (``--tie/--no-tie`` applied), once the model
     has accepted ``--seq``."""
-    tie = getattr(args, "tie", None)
-    if args.model is not None and tie is None:
+    tie, share = getattr(args, "tie", None), getattr(args, "share", None) or ()
+    if args.model is not None and tie is None and not share:
         return _preset_estimate(args.model, policy)
     try:
         fam, cfg = models.preset_config(args.model) if args.model is not None else models.hf_config(args.config)
@@ -288,7 +304,20 @@ def _load(args, policy: Policy):
             raise ConfigError("--tie" if tie else "--no-tie", tie, "a model whose config has tie_word_embeddings",
                               f"The {fam.name} family has no tied output layer to choose.")
         cfg = replace(cfg, tie_word_embeddings=tie)
-    return estimate(fam.build(cfg), policy)
+    if "qkv" in share:
+        if not hasattr(cfg, "shared_qkv"):
+            raise ConfigError("--share", "qkv", "a model whose query, key and value come from one projection",
+                              f"The {fam.name} family has no shared_qkv to set.")
+        cfg = replace(cfg, shared_qkv=True)
+    graph = fam.build(cfg)
+    if "layers" in share:
+        blocks = [rep.name for rep in graph.repeats()]
+        if len(blocks) != 1:
+            raise ConfigError("--share", "layers", "a model with one repeated block",
+                              f"{graph.name!r} has {len(blocks)}: share them in Python with "
+                              "graph.with_shared_layers(name).")
+        graph = graph.with_shared_layers(blocks[0])
+    return estimate(graph, policy)
 
 
 def _number(v):
@@ -309,7 +338,8 @@ def _report(args, policy: Policy) -> dict:
         "json": {
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
-                       "seq": args.seq, "tie": getattr(args, "tie", None), **policy_inputs(est.policy),
+                       "seq": args.seq, "tie": getattr(args, "tie", None),
+                       "share": list(getattr(args, "share", None) or ()), **policy_inputs(est.policy),
                        "attention_kernels": list(est.kernels)},
             "batch_per_step": args.batch * policy.accumulate,     # b*K sequences per optimizer step
             "bindings": {str(k): _number(v) for k, v in bindings.items()},

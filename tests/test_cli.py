@@ -73,7 +73,7 @@ def test_table_names_model_policy_and_peak(capsys, direct):
 
 def test_json_shape(capsys):
     j = run_json(capsys, *GPT2)
-    assert j["inputs"] == {"model": "gpt2", "config": None, "batch": 8, "seq": 1024, "tie": None,
+    assert j["inputs"] == {"model": "gpt2", "config": None, "batch": 8, "seq": 1024, "tie": None, "share": [],
                            "precision": "fp32", "optimizer": "adamw", "device": "cuda",
                            "implementation": "auto", "recompute": "none", "accumulate": 1,
                            "attention": "sdpa", "parallel": "none", "implementation_resolved": "foreach",
@@ -440,3 +440,20 @@ def test_tie_and_no_tie_override_the_model(capsys):
     assert (base["inputs"]["tie"], untied["inputs"]["tie"], tied["inputs"]["tie"]) == (None, False, True)
     j = run_json(capsys, "max-batch", "--model", "gpt2", "--seq", 1024, "--no-tie", "--gpu", "H100-80GB")
     assert j["max_batch"] >= 1
+
+
+def test_share_qkv_and_layers(capsys):
+    """--share qkv: c_attn is 768 x 768 (+ 768 bias), not 768 x 2304 (+ 2304), in 12 layers:
+    14,174,208 weights fewer; --share layers: one layer's 7,087,872 weights for all 12 (ALBERT),
+    77,966,592 fewer; both: the shared layer's own 5,906,688 once. The JSON echoes the choice."""
+    base = run_json(capsys, "estimate", "--model", "gpt2", "--batch", 1, "--seq", 8)
+    qkv = run_json(capsys, "estimate", "--model", "gpt2", "--batch", 1, "--seq", 8, "--share", "qkv")
+    layers = run_json(capsys, "estimate", "--model", "gpt2", "--batch", 1, "--seq", 8, "--share", "layers")
+    both = run_json(capsys, "estimate", "--model", "gpt2", "--batch", 1, "--seq", 8, "--share", "qkv,layers")
+    assert base["parameters"] - qkv["parameters"] == 14_174_208
+    assert base["parameters"] - layers["parameters"] == 11 * 7_087_872 == 77_966_592
+    assert both["parameters"] == 124_439_808 - 12 * 7_087_872 + 5_906_688 == 45_292_032
+    assert (qkv["inputs"]["share"], both["inputs"]["share"]) == (["qkv"], ["qkv", "layers"])
+    with pytest.raises(SystemExit):
+        main(["estimate", "--model", "gpt2", "--batch", "1", "--seq", "8", "--share", "heads"])
+    assert "expected qkv and/or layers, comma-separated, got 'heads'" in capsys.readouterr().err

@@ -11,7 +11,8 @@ What a ``config.json`` key does here (checked against transformers 5's
 
 * modelled: the fields of :class:`GPT2Config` (sizes, ``n_inner``, the activation,
   the three dropout probabilities, ``tie_word_embeddings``, ``attn_implementation``:
-  the kernel ``--attention auto`` takes), also under Hugging Face's generic names
+  the kernel ``--attention auto`` takes; and symmem's own ``shared_qkv``), also under
+  Hugging Face's generic names
   (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
   ``max_position_embeddings``, ``_attn_implementation``);
 * refused unless at the default (:data:`UNMODELLED`): ``reorder_and_upcast_attn``
@@ -46,7 +47,9 @@ ACTIVATIONS = {"gelu_new": "gelu_new", "gelu": "gelu", "gelu_pytorch_tanh": "gel
 class GPT2Config:
     """The fields of Hugging Face's GPT2Config that decide memory, with its defaults.
 
-    ``n_inner`` None means ``4 * n_embd`` (Hugging Face's rule); ``name`` names the graph."""
+    ``n_inner`` None means ``4 * n_embd`` (Hugging Face's rule); ``name`` names the graph.
+    ``shared_qkv`` (symmem's, not transformers'): one n_embd x n_embd projection whose output
+    is the query, the key and the value at once (the seed's shared QKV projection)."""
     n_embd: int = 768
     n_layer: int = 12
     n_head: int = 12
@@ -59,6 +62,7 @@ class GPT2Config:
     attn_pdrop: float = 0.1
     tie_word_embeddings: bool = True
     attn_implementation: str | None = None
+    shared_qkv: bool = False
     name: str = "gpt2"
 
     def __post_init__(self):
@@ -76,8 +80,9 @@ class GPT2Config:
             p = getattr(self, key)
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
                 raise ConfigError(key, p, "a dropout probability in [0, 1)")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ConfigError("tie_word_embeddings", self.tie_word_embeddings, "true or false")
+        for key in ("tie_word_embeddings", "shared_qkv"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, getattr(self, key), "true or false")
         if self.attn_implementation is not None and self.attn_implementation not in HF_NAMES:
             raise UnknownName("attn_implementation", self.attn_implementation, tuple(HF_NAMES))
 
@@ -123,9 +128,13 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
             return g.add("linear", y, params=(w_, b_), conv1d=True, name=f"h/{name}")
 
         y = ln("ln_1", x)
-        qkv = conv1d("attn.c_attn", y, h, 3 * h)
-        q, k, v = (g.add("heads", g.add("split", qkv, parts=3, index=i, name=f"h/attn/{n}"),
-                         heads=a, name=f"h/attn/{n}_heads") for i, n in enumerate("qkv"))
+        if cfg.shared_qkv:          # one projection, its heads view the query, key and value
+            qkv = conv1d("attn.c_attn", y, h, h)
+            q = k = v = g.add("heads", qkv, heads=a, name="h/attn/qkv_heads")
+        else:
+            qkv = conv1d("attn.c_attn", y, h, 3 * h)
+            q, k, v = (g.add("heads", g.add("split", qkv, parts=3, index=i, name=f"h/attn/{n}"),
+                             heads=a, name=f"h/attn/{n}_heads") for i, n in enumerate("qkv"))
         # the attention core, as the policy's kernel computes it (symmem.passes.attention);
         # eager multiplies by `scaling` whatever scale_attn_weights says (1.0 when it is
         # false): the same tensors either way. GPT2Block keeps the returned attention
