@@ -104,7 +104,8 @@ class _Lowering:
         for g, copies in scopes:
             for value, until in g.locals:
                 for c in copies:
-                    holder = f"local:{value}" + (f"#{c}" if c else "")
+                    # one holder per (value, until): a value two locals refer to lives until both let go
+                    holder = f"local:{value}>{until}" + (f"#{c}" if c else "")
                     self.locals.setdefault((value, c), []).append(holder)
                     self.until.setdefault((until, c), []).append(holder)
 

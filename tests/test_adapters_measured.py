@@ -28,6 +28,10 @@ CASES = [  # point, attention, precision, rank, targets, optimizer
     # a bfloat16 (float16) model: peft upcasts the adapters to float32
     (POINTS[0], "eager", "bf16", 4, ("c_attn", "c_fc"), "adamw"),
     (POINTS[1], "sdpa", "fp16", 8, ("c_attn",), "sgd"),
+    # wide layers, a small vocabulary: the forward's peak at the adapters, where the caller's
+    # argument (mlp.c_proj's input) and ln_2 (held by the block and by c_fc's call) live on
+    ((2, 8, 128, 4, 4, 20, 16, "gelu_new"), "eager", "bf16", 2, ("c_proj",), "adamw"),
+    ((2, 8, 128, 4, 4, 20, 16, "gelu_new"), "eager", "bf16", 2, ("c_fc",), "adamw"),
 ]
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -94,6 +94,7 @@ def prepare(graph: Graph, policy) -> Graph:
                 base = sub.add("clone", base, name=f"{node.name}.result")
             y = sub.add("to_float32" if upcast else "to_param_dtype", x, name=f"{node.name}.lora_x")
             sub.hold(y, until=node.name)           # forward's rebound local x, until it returns
+            sub.hold(x, until=node.name)           # and the caller's argument, until the call returns
             y = sub.add("dropout", y, p=lora.dropout, name=f"{node.name}.lora_dropout")
             a = sub.param(f"{stem}.lora_A.weight", (lora.rank, n_in), dtype=adapter)
             y = sub.add("linear", y, params=(a,), name=f"{node.name}.lora_A")
