@@ -285,6 +285,7 @@ def policy_inputs(policy: Policy) -> dict:
     rank = policy.lora.rank if policy.lora else None
     out["lora"] = rank if rank is None or isinstance(rank, int) else str(rank)      # 8, or "r"
     out["lora_targets"] = list(policy.lora_targets) if policy.lora_targets else None
+    out["quantize_skip"] = list(policy.quantize_skip) if policy.quantize_skip else None
     out["implementation_resolved"] = policy.impl
     return out
 

@@ -86,15 +86,24 @@ def storage_bytes(tensors):
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def qlora_model(point, precision, rank, targets, bits=4):
+def qlora_model(point, precision, rank, targets, bits=4, skip=()):
     """GPT-2 in ``precision``, its block projections in 4 (or 8) bits (Conv1D's (in, out)
-    weight transposed, as transformers quantizes one), then ``get_peft_model``."""
+    weight transposed, as transformers quantizes one) but those ``skip`` keeps (module names,
+    ``first:N``, ``last:N``), then ``get_peft_model``."""
     b, s, h, a, L, V, P, act = point
     cfg, model = hf_model(h, a, L, V, P, act)
     dtype = DTYPES[precision]
     model.to(dtype)
-    for block in model.transformer.h:
+    kept = set()
+    for item in (i for i in skip if ":" in i):
+        kind, k = item.split(":")
+        kept |= set(range(int(k)) if kind == "first" else range(L - int(k), L))
+    for i, block in enumerate(model.transformer.h):
+        if i in kept:
+            continue
         for part, name in PROJECTIONS:
+            if name in skip:
+                continue
             conv = getattr(getattr(block, part), name)
             make = int4_linear if bits == 4 else int8_linear
             setattr(getattr(block, part), name, make(conv.weight.t(), conv.bias, dtype))
@@ -113,6 +122,11 @@ CASES = [  # point, precision, rank, targets, optimizer
     ((2, 8, 128, 4, 2, 20, 16, "gelu_new"), "fp32", 4, ("c_attn", "c_fc"), "adamw"),
     ((2, 8, 128, 4, 2, 20, 16, "gelu_new"), "bf16", 8, ("c_proj",), "sgd"),
 ]
+SKIP_CASES = [  # point, precision, rank, targets, optimizer, quantize_skip
+    (POINTS[1], "bf16", 4, ("c_attn", "c_fc"), "adamw", ("first:1",)),
+    ((2, 8, 128, 4, 3, 20, 16, "gelu_new"), "fp32", 4, ("c_attn",), "sgd", ("last:1", "c_fc")),
+    ((2, 8, 128, 4, 4, 20, 16, "gelu_new"), "bf16", 2, ("c_proj",), "adamw", ("first:1", "last:2")),
+]
 
 
 @pytest.mark.parametrize("point,precision,rank,targets,opt", CASES,
@@ -125,6 +139,26 @@ def test_qlora_exact(point, precision, rank, targets, opt):
     ev = est.at(b=b, s=s)
     states = quant_state_tensors(model)
     assert len(states) == 5 * 4 * L
+    assert ev.bytes["params"] == param_bytes(model) + storage_bytes(states)
+    ids = torch.randint(0, V, (b, s))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    report = training_step(model, lambda m: m(ids, labels=ids).loss, optimizer(opt, "for-loop", trainable),
+                           extra=(ids, states))
+    assert_step_exact(est, report, b, s)
+
+
+@pytest.mark.parametrize("point,precision,rank,targets,opt,skip", SKIP_CASES,
+                         ids=[f"h{p[2]}-L{p[4]}-{pr}-{'+'.join(sk)}" for p, pr, r, t, o, sk in SKIP_CASES])
+def test_qlora_with_layers_kept_exact(point, precision, rank, targets, opt, skip):
+    """The seed's "full precision for key layers, 4 bits elsewhere": the first or last layers,
+    or a module, kept in the model's dtype (plain LoRA there, peft's lora.bnb elsewhere)."""
+    b, s, h, a, L, V, P, act = point
+    cfg, model = qlora_model(point, precision, rank, targets, skip=skip)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", attention="eager", lora=rank,
+                                               lora_targets=",".join(targets), quantize="int4",
+                                               quantize_skip=",".join(skip)))
+    ev = est.at(b=b, s=s)
+    states = quant_state_tensors(model)
     assert ev.bytes["params"] == param_bytes(model) + storage_bytes(states)
     ids = torch.randint(0, V, (b, s))
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -216,8 +250,24 @@ def test_qlora_on_a_24_gb_card_is_one_command(capsys):
     ({"quantize": "int8", "lora": 8, "precision": "bf16"},
      "quantize on cuda = 'int8' is not valid: expected int4 (or int8 with --device cpu)"),
     ({"quantize": "int3", "lora": 8}, "unknown quantization 'int3'"),
+    ({"quantize_skip": "c_proj"}, "quantize_skip = 'c_proj' is not valid: expected layers to keep out of "
+                                  "--quantize"),
+    ({"quantize": "int4", "lora": 8, "quantize_skip": "middle:2"}, "expected first:N or last:N with N >= 1"),
+    ({"quantize": "int4", "lora": 8, "quantize_skip": "last:0"}, "expected first:N or last:N with N >= 1"),
+    ({"quantize": "int4", "lora": 8, "quantize_skip": "c_proj, "}, "quantize_skip = 'c_proj, ' is not valid"),
 ])
 def test_bad_quantize_input_is_refused(kwargs, words):
     with pytest.raises(sm.errors.SymmemError) as e:
         sm.Policy(**kwargs)
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize("skip,words", [
+    ("q_proj", "quantize_skip = 'q_proj' is not valid: expected a linear layer of 'gpt2': one of "
+               "attn.c_attn, attn.c_proj, lm_head, mlp.c_fc, mlp.c_proj"),
+    ("last:13", "quantize_skip = 'last:13' is not valid: expected at most the 12 layers of block 'h'"),
+])
+def test_a_skip_the_model_lacks_is_refused(skip, words):
+    with pytest.raises(sm.errors.ConfigError) as e:
+        sm.estimate("gpt2", sm.Policy("bf16", quantize="int4", lora=8, quantize_skip=skip))
     assert words in str(e.value)

@@ -32,7 +32,7 @@ from .adapters import LoRA
 from .attention import ATTENTION
 from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
-from .quantize import QUANTIZE, Quantization
+from .quantize import QUANTIZE, Quantization, parse_skip
 from .recompute import RECOMPUTE, Recompute
 from .registry import Registry
 from .slots import DEVICES, PARALLEL
@@ -51,7 +51,8 @@ class Policy:
     model's own kernel, else ``sdpa``. ``lora`` is a rank (or ``"r"``, or a :class:`LoRA`)
     for adapters on ``lora_targets`` (comma-separated module names; None: peft's default),
     every other weight frozen; ``"none"`` for none. ``quantize``: ``"int4"`` (QLoRA's NF4) or
-    ``"int8"`` stores the frozen linear weights so (with ``lora``, in a pure precision)."""
+    ``"int8"`` stores the frozen linear weights so (with ``lora``, in a pure precision) but
+    those ``quantize_skip`` names (modules, ``first:N``, ``last:N``)."""
     precision: str = "fp32"
     optimizer: str = "adamw"
     device: str = "cuda"
@@ -62,6 +63,7 @@ class Policy:
     lora: LoRA | int | str | None = "none"
     lora_targets: tuple | str | None = None
     quantize: str = "none"
+    quantize_skip: tuple | str | None = None
     parallel: str = "none"
 
     def __post_init__(self):
@@ -76,8 +78,12 @@ class Policy:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError("accumulate", k, "a whole number of micro-batches >= 1",
                               "1 means no gradient accumulation.")
+        object.__setattr__(self, "quantize_skip", parse_skip(self.quantize_skip) or None)
         if self.quantize != "none":
             self._check_quantize()
+        elif self.quantize_skip:
+            raise ConfigError("quantize_skip", ",".join(self.quantize_skip), "layers to keep out of --quantize",
+                              "Give --quantize int4 (or int8) too, or leave --quantize-skip out.")
 
     def _check_quantize(self):
         """What bitsandbytes' layers are modelled with: LoRA adapters on a model loaded in one
@@ -144,6 +150,8 @@ class Policy:
             out += f"; {self.lora}, the rest frozen"
         if self.quantize != "none":
             out += f"; {self.quantize} ({self.quant.description})"
+            if self.quantize_skip:
+                out += f", except {', '.join(self.quantize_skip)}"
         return out
 
 
@@ -178,5 +186,7 @@ PARTS = (
          "the projections LoRA adapts, comma-separated (None: peft's default for the model, c_attn)"),
     Part("quantize", "--quantize", QUANTIZE, "NAME",
          "frozen linear weights stored quantized by bitsandbytes (with --lora: QLoRA is int4)"),
+    Part("quantize_skip", "--quantize-skip", None, "NAMES",
+         "layers --quantize keeps in the model's dtype: module names (c_proj) and first:N, last:N"),
     Part("parallel", "--parallel", PARALLEL, "NAME", "the parallel layout"),
 )
