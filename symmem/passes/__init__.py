@@ -12,14 +12,14 @@ schedules, inference) are further modules here.
 """
 from __future__ import annotations
 
-from . import accumulate, attention, lora, quantize, recompute
+from . import accumulate, attention, fp8, lora, quantize, recompute
 
-__all__ = ["PASSES", "prepare", "run", "attention", "quantize", "lora", "recompute", "accumulate"]
+__all__ = ["PASSES", "prepare", "run", "attention", "fp8", "quantize", "lora", "recompute", "accumulate"]
 
 #: The passes, in the order they rewrite a graph and a plan: the attention kernel first, so
-#: that recomputation sees the kernel's operators; quantized layers before the adapters that
-#: wrap them.
-PASSES = (attention, quantize, lora, recompute, accumulate)
+#: that recomputation sees the kernel's operators; FP8 and quantized layers before the
+#: adapters that wrap them.
+PASSES = (attention, fp8, quantize, lora, recompute, accumulate)
 
 
 def prepare(graph, policy):

@@ -79,11 +79,25 @@ class Policy:
             raise ConfigError("accumulate", k, "a whole number of micro-batches >= 1",
                               "1 means no gradient accumulation.")
         object.__setattr__(self, "quantize_skip", parse_skip(self.quantize_skip) or None)
+        if self.prec.fp8:
+            self._check_fp8()
         if self.quantize != "none":
             self._check_quantize()
         elif self.quantize_skip:
             raise ConfigError("quantize_skip", ",".join(self.quantize_skip), "layers to keep out of --quantize",
                               "Give --quantize int4 (or int8) too, or leave --quantize-skip out.")
+
+    def _check_fp8(self):
+        """Transformer Engine's FP8 GEMMs run on CUDA (compute capability 8.9 and later), and
+        its layers are not modelled under adapters or quantization."""
+        if self.device != "cuda":
+            raise ConfigError("device with --precision fp8", self.device, "cuda",
+                              "Transformer Engine's FP8 kernels run on NVIDIA GPUs of compute capability "
+                              "8.9 and later (Ada, Hopper, Blackwell).")
+        if self.lora is not None or self.quantize != "none":
+            raise ConfigError("precision", self.precision, "a precision without --lora or --quantize",
+                              "FP8 training is modelled for full training of Transformer Engine's layers; "
+                              "adapters over them are not modelled yet.")
 
     def _check_quantize(self):
         """What bitsandbytes' layers are modelled with: LoRA adapters on a model loaded in one

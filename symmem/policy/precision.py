@@ -6,7 +6,8 @@ dtype); a precision binds them. With ``torch.autocast`` the float32 weights are
 themselves the master copy (``master`` 0) and the rules cast per op (the autocast table
 of :mod:`symmem.rules.autocast`); a half-precision model with a float32 master copy
 (Megatron-LM, DeepSpeed, Apex O2) keeps weights, gradients and activations in the half
-dtype, and its optimizer steps the master copy.
+dtype, and its optimizer steps the master copy. ``fp8`` is such a model whose linear
+layers are Transformer Engine's, computing in FP8 (:mod:`symmem.passes.fp8`).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ class Precision:
     torch dtype activations are computed in (``compute``). ``state``: bytes of an optimizer
     state element: torch's optimizers keep their states in the dtype of what they step (the
     float32 weights or master copy; a half-precision model's own dtype). ``scaler``: trained
-    with ``torch.amp.GradScaler`` as its documentation runs it."""
+    with ``torch.amp.GradScaler`` as its documentation runs it. ``fp8``: the linear layers
+    are Transformer Engine's, run in FP8 (:mod:`symmem.passes.fp8`)."""
     name: str
     weight: sp.Rational
     grad: sp.Rational
@@ -38,6 +40,7 @@ class Precision:
     description: str
     state: sp.Rational = sp.Integer(4)    # bytes of an optimizer state element (the master dtype)
     scaler: bool = False      # trained with torch.amp.GradScaler (its state and step scalars)
+    fp8: bool = False         # linear layers as Transformer Engine's FP8 GEMMs (symmem.passes.fp8)
 
     def bindings(self) -> dict:
         out = {B_w: self.weight, B_g: self.grad, B_a: self.act, B_o: self.state}
@@ -79,5 +82,10 @@ for _p in (
               "float32 (one float32 copy of all of them)"),
     Precision("fp16-master", _2, _2, _4, _2, False, "float16",
               "as bf16-master, in float16 (the loss scaler's scalars are not counted)"),
+    Precision("fp8", _2, _2, _4, _2, False, "bfloat16",
+              "Transformer Engine FP8 training as Megatron-LM runs it: as bf16-master, with every linear "
+              "layer but the output head a te.Linear under te.autocast(DelayedScaling()) on Hopper: FP8 "
+              "copies of its input and weight (data and transpose) saved for backward, and its scaling "
+              "state (amax history of 1024)", fp8=True),
 ):
     PRECISIONS.register(_p)

@@ -36,6 +36,7 @@ Layout (module -> rules):
 - ``normalization``: layer_norm, softmax, log_softmax;
 - ``linalg``: linear, matmul;
 - ``quantized``: linear_int4, linear_int8 (bitsandbytes' layers with frozen quantized weights);
+- ``fp8``: linear_fp8 (Transformer Engine's FP8 linear layer, CUDA);
 - ``attention``: attention (the node a model writes; the attention pass replaces it),
   sdpa_kernel (flash, mem-efficient, cuDNN), sdpa_causal_mask;
 - ``embeddings``: embedding, positions, position_embedding, causal_mask;
@@ -56,6 +57,7 @@ from .attention import attention_rule, sdpa_causal_mask_rule, sdpa_kernel_rule
 from .elementwise import (add_rule, clone_rule, dropout_rule, gelu_new_rule, gelu_rule, relu_rule,
                           scale_rule, to_compute_rule, to_float32_rule, to_param_dtype_rule)
 from .embeddings import causal_mask_rule, embedding_rule, position_embedding_rule, positions_rule
+from .fp8 import linear_fp8_rule
 from .linalg import linear_rule, matmul_rule
 from .losses import nll_loss_rule
 from .normalization import layer_norm_rule, log_softmax_rule, softmax_rule
