@@ -37,7 +37,10 @@ from ..symbols import L, V, a, b, f, h, s, s_max
 from .registry import BOOKKEEPING, Family, Unmodelled, register
 
 __all__ = ["GPT2Config", "build_gpt2", "ACTIVATIONS", "PRESETS", "HF_IDS", "ALIASES", "REQUIRED",
-           "UNMODELLED", "IGNORED", "FAMILY"]
+           "UNMODELLED", "IGNORED", "FAMILY", "SYMMEM_FIELDS"]
+
+#: Fields symmem adds to transformers' GPT2Config (a config.json may set them too).
+SYMMEM_FIELDS = ("shared_qkv",)
 
 #: Hugging Face activation names -> the op symmem models them with.
 ACTIVATIONS = {"gelu_new": "gelu_new", "gelu": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
