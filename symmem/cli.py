@@ -879,6 +879,14 @@ def cmd_formula(args) -> int:
     policy = _policy(args)
     est = _load(args, policy)
     expr = est.formula(args.component)
+    if est.at_one is not est:       # the case split: b = 1 on stderr, the formula on stdout
+        note = "symmem: for b >= 2 (at b = 1 reshapes and slices past the batch are views: estimate, " \
+               "max-batch and solve use the step derived for it)"
+        cases = est.cases(args.component) if args.component != "peak" else expr
+        if isinstance(cases, sp.Piecewise):
+            one = cases.args[0][0]
+            note += f"; at b = 1: {latex(one) if args.format == 'latex' else one}"
+        print(note, file=sys.stderr)
     if args.component == "peak" and not args.all:
         regions = est.regions()
         expr = sp.Max(*(canonical(r.point.total) for r in regions), evaluate=False) if len(regions) > 1 \

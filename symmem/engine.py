@@ -153,6 +153,33 @@ class Estimate:
         return self.policy.describe(self.kernels)
 
     @cached_property
+    def at_one(self) -> "Estimate":
+        """The step at b = 1, where a reshape or slice past the batch dimension is a view that
+        copies at b >= 2 (eager attention's head matmuls keep all of qkv instead of copies of
+        q, k and v; the shifted labels are a view of the padded ones): derived with
+        ``Policy.batch_one``, or this estimate itself where nothing differs. :meth:`at`, the
+        solvers and :meth:`cases` use it at b = 1."""
+        if self.policy.batch_one or b not in set().union(*(t.free_symbols for t in self.totals)):
+            return self
+        one = estimate(self.graph, replace(self.policy, batch_one=True))
+        at = {b: sp.Integer(1)}
+        same = ({k: sp.expand(v.xreplace(at)) for k, v in one.components.items()}
+                == {k: sp.expand(v.xreplace(at)) for k, v in self.components.items()}
+                and {sp.expand(t.xreplace(at)) for t in one.totals} == {sp.expand(t.xreplace(at)) for t in self.totals})
+        return self if same else one
+
+    def cases(self, component: str = "peak") -> sp.Expr:
+        """The formula with its case split: ``Piecewise((at b = 1, Eq(b, 1)), (the formula,
+        True))`` where the step at b = 1 differs (:attr:`at_one`), else the formula."""
+        general = self.formula(component)
+        if self.at_one is self:
+            return general
+        one = self.at_one.formula(component).xreplace({b: sp.Integer(1)})
+        if sp.expand(one - general.xreplace({b: sp.Integer(1)})) == 0:
+            return general
+        return sp.Piecewise((one, sp.Eq(b, 1)), (general, True))
+
+    @cached_property
     def peak(self) -> sp.Expr:
         """The peak live bytes: Max over the non-dominated points, each canonical."""
         return sp.Max(*(canonical(p.total) for p in self.points), evaluate=False)
@@ -236,7 +263,14 @@ class Estimate:
                     i = np.unravel_index(int(np.flatnonzero(~good.reshape(-1))[0]), shape)
                     raise req.broken({**fixed, **{x: sp.Integer(int(np.broadcast_to(v, shape)[i]))
                                                   for x, v in zip(syms, args)}})
-            return np.maximum.reduce([np.broadcast_to(fn(*args), shape) for fn in fns])
+            out = np.maximum.reduce([np.broadcast_to(fn(*args), shape) for fn in fns])
+            if one is not None:          # b = 1: the step derived for it
+                ones = np.broadcast_to(args[names.index("b")], shape) == 1
+                if ones.any():
+                    out = np.where(ones, one(**arrays), out)
+            return out
+        one = (self.at_one.evaluator(*names, component=component, check=False)
+               if "b" in names and self.at_one is not self else None)
         return f
 
     def _vector_checks(self, syms, fixed) -> list:
@@ -269,8 +303,11 @@ class Estimate:
                 raise err
 
     def at(self, **values) -> Evaluation:
-        """Exact integer bytes at ``values`` (e.g. ``b=8, s=1024``), over the model's bindings."""
+        """Exact integer bytes at ``values`` (e.g. ``b=8, s=1024``), over the model's bindings
+        (at b = 1, the step derived for it: :attr:`at_one`)."""
         subs = self._subs(values)
+        if subs.get(b) == 1 and self.at_one is not self:
+            return self.at_one.at(**values)
         comps = {k: self._exact(v, subs, k) for k, v in self.components.items()}
         totals = [t.xreplace(subs) for t in self.totals]
         for t, p in zip(totals, self.points):

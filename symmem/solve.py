@@ -27,7 +27,7 @@ from .errors import ConfigError, Infeasible, SearchLimit
 from .gpus import as_budget
 from .printing import format_bytes, html_escape, html_table, latex, mathml, values_text
 from .counter import Point
-from .symbols import BYTE_SYMBOLS, DIMENSIONS, M, R, symbol as lookup
+from .symbols import BYTE_SYMBOLS, DIMENSIONS, M, R, b, symbol as lookup
 
 __all__ = ["Solution", "solve", "max_batch", "max_seq", "frontier"]
 
@@ -132,7 +132,9 @@ class _Peak:
     """The peak as a function of one symbol, every other symbol bound: exact and fast."""
 
     def __init__(self, est: Estimate, x: sp.Symbol, subs: dict):
-        self.x, self.fns = x, []
+        self.x, self.fns, self.one = x, [], None
+        if subs.get(b) == 1:            # b fixed at 1: the step derived for it
+            est = est.at_one
         for t in est.totals:
             e = sp.expand(t.xreplace(subs))
             extra = e.free_symbols - {x}
@@ -145,8 +147,12 @@ class _Peak:
                 self.fns.append(lambda v, c=coeffs: _poly_eval(c, v))
             except (sp.PolynomialError, AttributeError):
                 self.fns.append(lambda v, e=e: Fraction(str(e.xreplace({x: v}))))
+        if x == b and est.at_one is not est:      # b = 1: the step derived for it
+            self.one = max(Fraction(str(sp.expand(t.xreplace({**subs, b: 1})))) for t in est.at_one.totals)
 
     def __call__(self, v: int) -> Fraction:
+        if v == 1 and self.one is not None:
+            return self.one
         return max(fn(v) for fn in self.fns)
 
     def binding(self, v: int) -> int:

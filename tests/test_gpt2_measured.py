@@ -73,16 +73,44 @@ def test_params_and_saved_activations_exact(point, precision):
     assert ev.bytes["activations"] == measured.total  # 0 bytes off
 
 
-def test_batch_of_one_keeps_the_padded_labels():
-    """A known 8-byte quirk, pinned: with b = 1, ``labels_padded[..., 1:]`` is already
-    contiguous, so the saved target is a view of the padded (1, s+1) tensor: one int64
-    element (8 bytes) more than the b*s elements the formula counts."""
-    b, s, h, a, L, V, P = 1, 32, 32, 2, 1, 300, 64
-    cfg, model = hf_model(h, a, L, V, P, "gelu")
-    est = sm.estimate(graph_of(cfg), sm.Policy("fp32", "sgd", "cpu"))
+BATCH_ONE = [((1, 32, 32, 2, 1, 300, 64, "gelu"), "fp32", "eager", "sgd"),
+             ((1, 32, 32, 4, 2, 300, 32, "gelu_new"), "bf16-mixed", "eager", "adamw"),
+             ((1, 24, 48, 6, 2, 200, 32, "gelu_new"), "fp32", "sdpa", "adamw"),
+             ((1, 64, 32, 2, 1, 50, 64, "gelu"), "bf16-mixed", "sdpa", "sgd-momentum")]
+
+
+@pytest.mark.parametrize("point,precision,attention,opt", BATCH_ONE,
+                         ids=[f"s{p[1]}-h{p[2]}-{pr}-{at}-{o}" for p, pr, at, o in BATCH_ONE])
+def test_batch_of_one_exact(point, precision, attention, opt):
+    """At b = 1 ``labels_padded[..., 1:]`` is already contiguous, so the saved target is a view
+    of the padded (1, s+1) labels (8 bytes more than b*s int64), and eager attention's head
+    matmuls save views of the qkv storage instead of copies: the step derived for b = 1
+    (``Estimate.at_one``, which ``at(b=1)`` uses) is exact, saved bytes and the whole step."""
+    b, s, h, a, L, V, P, act = point
+    cfg, model = hf_model(h, a, L, V, P, act)
+    cfg._attn_implementation = model.config._attn_implementation = attention
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", "for-loop"))
+    assert est.at_one is not est
     ids = torch.randint(0, V, (b, s))
-    measured = saved_bytes(loss_fn(model, ids, "fp32"), exclude=model)
-    assert measured.total - est.at(b=b, s=s).bytes["activations"] == 8
+    fwd = loss_fn(model, ids, precision)
+    assert est.at(b=1, s=s).bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", model.parameters()), extra=(ids,))
+    assert_step_exact(est.at_one, report, b, s)
+
+
+@pytest.mark.xfail(strict=True, reason="autocast's cast-back of a linear layer's gradients is modelled as one "
+                   "moment holding every half-precision gradient; PyTorch casts the bias's first (AddmmBackward's "
+                   "inputs in reverse order of their casts) and frees its half copy before the weight's cast. At "
+                   "b=1, s=16, h=32, L=2, V=100, bf16 autocast, AdamW: symmem 521,080 bytes at mlp.c_proj's cast "
+                   "back, PyTorch 521,016 (the bias's bfloat16 gradient, 2h = 64 bytes)")
+def test_autocast_casts_back_one_gradient_at_a_time():
+    b, s, h, a, L, V, P, act = 1, 16, 32, 4, 2, 100, 32, "gelu_new"
+    cfg, model = hf_model(h, a, L, V, P, act)
+    est = sm.estimate(graph_of(cfg), sm.Policy("bf16-mixed", "adamw", "cpu", "for-loop"))
+    ids = torch.randint(0, V, (b, s))
+    fwd = loss_fn(model, ids, "bf16-mixed")
+    report = training_step(model, lambda m: fwd(), optimizer("adamw", "for-loop", model.parameters()), extra=(ids,))
+    assert_step_exact(est.at_one, report, b, s)
 
 
 TRAINING = [

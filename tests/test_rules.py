@@ -16,12 +16,12 @@ layer_norm's statistics). Under ``bf16-mixed`` the
 formulas keep ``B_a`` (bytes of the compute dtype, bound to 2) for tensors in autocast's
 dtype; a graph input declared ``"bfloat16"`` has a literal 2.
 
-Where a rule disagrees with PyTorch the test states PyTorch's behaviour and is marked
-``xfail(strict=True)`` with the measured numbers in the reason: fixing the rule turns it
-into an XPASS failure, a reminder to drop the mark.
+At b = 1 some reshapes and slices past the batch dimension are views that copy at b >= 2;
+those tests derive the step for b = 1 (``Policy.batch_one``, what ``Estimate.at_one`` does).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -108,9 +108,8 @@ def same(expr, expected) -> bool:
 
 
 class RuleMismatch(AssertionError):
-    """symmem disagrees with PyTorch (or with the hand formula). The xfail marks expect this
-    exception only: a failing measurement (PyTorch versus the hand formula) is a plain
-    AssertionError, so it fails the test even where the rule is known to be wrong."""
+    """symmem disagrees with PyTorch (or with the hand formula); a failing measurement
+    (PyTorch versus the hand formula) is a plain AssertionError instead, so the two read apart."""
 
 
 def at(expr, g: sm.Graph, policy: sm.Policy, bb: int, ss: int) -> int:
@@ -153,10 +152,6 @@ def compare(g: sm.Graph, policy: sm.Policy, make, *, formula=None, sizes=SIZES, 
             if elem_bytes(info.dtype, policy) != out["itemsize"]:
                 raise RuleMismatch(f"output dtype: symmem {info.dtype}, PyTorch "
                                    f"{out['itemsize']} bytes/element")
-
-
-def xfail(reason: str):
-    return pytest.mark.xfail(strict=True, raises=RuleMismatch, reason=reason)
 
 
 # --------------------------------------------------------------------------- linear
@@ -391,14 +386,19 @@ def test_matmul_of_head_views_copies_both_operands(policy):
     compare(g, policy, _qk_make, formula=formula)
 
 
-@xfail("matmul rule always copies a head view; at b=1 (also a=1) the reshape of "
-       "(1, a, s, d) to (a, s, d) is a view, so bmm saves views of the qkv storage itself. "
-       "At b=1, s=3, h=8 fp32: symmem 2*b*s*h*4 = 192 bytes (two copies), PyTorch 288 "
-       "(the whole b*s*3h qkv input, through the q and k views)")
 def test_matmul_of_head_views_at_batch_one_saves_views():
+    """At b = 1 the reshape of a (1, a, s, d) head view to (a, s, d) is a view, so bmm saves
+    views of the qkv storage itself: the whole b*s*3h input (at b=1, s=3, h=8 fp32: 288 bytes),
+    not two copies of b*s*h (192). The step derived for b = 1 (Policy.batch_one) says so, and
+    the estimate's at(b=1) and its formula's case split use it."""
     g = _qk_graph()
+    one = dataclasses.replace(FP32, batch_one=True)
     # Truth at b = 1: the whole qkv input, b*s*3h * 4 bytes, kept alive by the q and k views
-    compare(g, FP32, _qk_make, sizes=((1, 3), (1, 5)), formula=12 * b * s * h)
+    compare(g, one, _qk_make, sizes=((1, 3), (1, 5)), formula=12 * b * s * h)
+    est = sm.estimate(g, FP32)
+    assert est.at(b=1, s=3).bytes["activations"] == 12 * 3 * H == 288
+    assert est.at(b=2, s=3).bytes["activations"] == 2 * 2 * 3 * H * 4      # two copies at b >= 2
+    assert est.cases("activations") == sp.Piecewise((12 * s * h, sp.Eq(b, 1)), (8 * b * s * h, True))
 
 
 def test_matmul_transpose_b_of_contiguous_operand_saves_a_view():
@@ -1069,17 +1069,17 @@ def _nll_make(bb, ss):
     return fn, ()
 
 
-@xfail("known and documented in the nll_loss rule: at b=1 labels[..., 1:] of the (1, s+1) "
-       "padded labels is already contiguous, so .contiguous() returns the view and the saved "
-       "target keeps the whole padded storage, s+1 int64. At b=1, s=3, V=11: symmem "
-       "132 + 24 + 4 = 160 bytes, PyTorch 132 + 32 + 4 = 168")
 def test_nll_loss_at_batch_one_saves_the_padded_labels():
+    """At b = 1 labels[..., 1:] of the (1, s+1) padded labels is already contiguous, so
+    .contiguous() returns the view and the saved target keeps the whole padded storage, s+1
+    int64 (b=1, s=3, V=11: 132 + 32 + 4 = 168 bytes), where b >= 2 saves a copy of b*s."""
     g = graph(V=11)
     logp = float_input(g, (b, s, V), name="logp")
     g.add("nll_loss", logp, g.input("labels", (b, s)), name="loss")
     # Truth at b = 1: log-probs, the padded labels b*(s+1) * 8, total_weight 4
-    compare(g, FP32, _nll_make, sizes=((1, 3), (1, 5)),
+    compare(g, dataclasses.replace(FP32, batch_one=True), _nll_make, sizes=((1, 3), (1, 5)),
             formula=4 * b * s * V + 8 * b * (s + 1) + 4)
+    assert sm.estimate(g, FP32).at(b=1, s=3).bytes["activations"] == 132 + 32 + 4
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -1226,7 +1226,7 @@ def test_attention_block_end_to_end(policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_attention_block_at_batch_one(policy):
     """At b=1 PyTorch saves the whole qkv storage through the q, k, v views instead of three
-    copies of b*s*h (see the matmul xfail): the same bytes, so the block still matches."""
+    copies of b*s*h (see the matmul test at batch one): the same bytes, so the block still matches."""
     compare(_attention_graph(), policy, _attention_make(), formula=_attention_formula(policy),
             sizes=((1, 3), (1, 6)))
 

@@ -24,7 +24,7 @@ their ``--help`` and ``symmem policies`` from it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
 from ..rules import Ctx
@@ -65,6 +65,8 @@ class Policy:
     quantize: str = "none"
     quantize_skip: tuple | str | None = None
     parallel: str = "none"
+    #: derive the step at b = 1 (set by :attr:`symmem.engine.Estimate.at_one`, not a choice)
+    batch_one: bool = field(default=False, repr=False)
 
     def __post_init__(self):
         for part in PARTS:
@@ -143,7 +145,7 @@ class Policy:
         return self.opt.counters_on_device(self.device, self.impl)
 
     def ctx(self) -> Ctx:
-        return self.prec.ctx(self.device)
+        return replace(self.prec.ctx(self.device), batch_one=self.batch_one)
 
     def bindings(self) -> dict:
         """Numbers for the byte symbols (optimizer states in the dtype of what they step), and

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Protocol
 import sympy as sp
 
 from ..errors import ConfigError, UnknownName
-from ..symbols import B_a
+from ..symbols import B_a, b as B
 from .autocast import autocast_policy
 
 __all__ = ["DType", "TensorInfo", "Saved", "Footprint", "Ctx", "NodeLike", "Rule", "rule",
@@ -51,12 +51,21 @@ class Ctx:
 
     ``act`` is the dtype activations are computed in (autocast's half dtype, or the
     model dtype without autocast), priced ``B_a``; ``act_name`` is the torch dtype it
-    stands for, so that rules can tell a no-op cast from a copy.
+    stands for, so that rules can tell a no-op cast from a copy. ``batch_one``: the step is
+    derived for b = 1, where a tensor whose leading dimension is the batch reshapes and slices
+    as views that copy at b >= 2 (:attr:`symmem.engine.Estimate.at_one`).
     """
     autocast: bool = False
     device: str = "cuda"
     act: DType = DType("compute", B_a, 3)
     act_name: str = "float32"
+    batch_one: bool = False
+
+    def batch_view(self, t: "TensorInfo") -> bool:
+        """Does ``t`` lead with the batch dimension, and is the step derived for b = 1? Then
+        a reshape that merges that dimension, or a slice past it, is a view (a dimension of
+        size 1 merges with any other) where at b >= 2 it copies."""
+        return self.batch_one and bool(t.shape) and t.shape[0] == B
 
     def same(self, x: DType, y: DType) -> bool:
         """Are x and y the same torch dtype? ``act`` is the dtype called ``act_name``."""

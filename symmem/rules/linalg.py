@@ -81,9 +81,9 @@ def matmul_rule(node, ins, ctx):
     on 4-D tensors: matmul reshapes each operand to 3-D for bmm; a non-contiguous operand
     (a head view (b, a, s, d) of a (b, s, 3h) tensor) is copied, and bmm saves both 3-D
     operands. Under autocast (``aten::matmul``: lower-precision list on both devices) the
-    operands are cast to the half dtype first (a copy when they are not). (At b = 1 or
-    a = 1 a head view reshapes without a copy and the whole qkv storage is saved
-    instead: the same bytes for q, k and v together, not counted so.)"""
+    operands are cast to the half dtype first (a copy when they are not). At b = 1
+    (``ctx.batch_one``) a head view (1, a, s, d) reshapes to (a, s, d) without a copy, and bmm
+    saves that view: the storage it views (all of qkv) is kept instead of a copy."""
     x, y = ins
     m, kx = x.shape[-2], x.shape[-1]
     ky, n = (y.shape[-1], y.shape[-2]) if node.attr("transpose_b") else (y.shape[-2], y.shape[-1])
@@ -95,7 +95,7 @@ def matmul_rule(node, ins, ctx):
     saved = []
     for i, (t, label) in enumerate(((x, "left operand"), (y, "right operand"))):
         # a transposed contiguous operand reshapes to 3-D as a view: bmm saves that view
-        if not ctx.same(t.dtype, dt) or not t.contiguous:
+        if not ctx.same(t.dtype, dt) or not (t.contiguous or ctx.batch_view(t)):
             saved.append(Saved(f"{label} (contiguous copy)", "new", t.numel, dt))
         else:
             saved.append(Saved(label, f"in{i}"))

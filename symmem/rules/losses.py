@@ -22,11 +22,11 @@ def pad_labels_rule(node, ins, ctx):
 @rule("shift_labels")
 def shift_labels_rule(node, ins, ctx):
     """``padded[..., 1:].contiguous()``: the labels of the next tokens, a new int64 tensor
-    (..., s). (With b = 1 the slice is already contiguous and stays a view of the padded
-    labels: s + 1 elements, 8 bytes more than counted here.)"""
+    (..., s). At b = 1 (``ctx.batch_one``) the slice of the (1, s + 1) labels is contiguous
+    already, so ``.contiguous()`` returns it: a view of the padded labels."""
     x = ins[0]
-    return Footprint(TensorInfo(tuple(x.shape[:-1]) + (x.shape[-1] - 1,), x.dtype, requires_grad=False),
-                     grads=(None,))
+    out = TensorInfo(tuple(x.shape[:-1]) + (x.shape[-1] - 1,), x.dtype, requires_grad=False)
+    return Footprint(out, alias=0 if ctx.batch_view(x) else None, grads=(None,))
 
 
 @rule("nll_loss")
@@ -38,8 +38,8 @@ def nll_loss_rule(node, ins, ctx):
     Under autocast (CUDA and CPU: fp32 list) a float32 copy of half log-probabilities is
     what is saved, its float32 gradient is cast back after the op's backward, and the
     loss is float32.
-    (With b = 1 the shifted slice is already contiguous, so the saved target is a view of
-    the padded labels: s + 1 elements, 8 bytes more than counted here.)"""
+    At b = 1 (``ctx.batch_one``) the shifted slice is already contiguous, so the saved target
+    is a view of the padded labels: the b(s + 1) padded elements are kept, no copy is made."""
     logp, labels = ins
     rows = labels.numel
     cast = ctx.autocast_dtype("nll_loss")
@@ -50,6 +50,9 @@ def nll_loss_rule(node, ins, ctx):
         first, bwd_temp = Saved("log-probabilities", "in0"), sp.Integer(0)
     if node.attr("shifted"):     # the labels come shifted (pad_labels, shift_labels nodes)
         target, padded = Saved("labels", "in1"), sp.Integer(0)
+    elif ctx.batch_view(labels):          # the padded labels, viewed
+        padded = labels.numel / labels.shape[-1] * (labels.shape[-1] + 1)
+        target, padded = Saved("padded labels (viewed)", "new", padded, I64), sp.Integer(0)
     else:
         target = Saved("shifted labels", "new", rows, I64)
         padded = labels.numel / labels.shape[-1] * (labels.shape[-1] + 1) * I64.nbytes
