@@ -264,13 +264,14 @@ class Estimate:
                     raise req.broken({**fixed, **{x: sp.Integer(int(np.broadcast_to(v, shape)[i]))
                                                   for x, v in zip(syms, args)}})
             out = np.maximum.reduce([np.broadcast_to(fn(*args), shape) for fn in fns])
-            if one is not None:          # b = 1: the step derived for it
+            if "b" in names:             # b = 1: the step derived for it (derived when first asked)
                 ones = np.broadcast_to(args[names.index("b")], shape) == 1
-                if ones.any():
-                    out = np.where(ones, one(**arrays), out)
+                if ones.any() and self.at_one is not self:
+                    if not one:
+                        one.append(self.at_one.evaluator(*names, component=component, check=False))
+                    out = np.where(ones, one[0](**arrays), out)
             return out
-        one = (self.at_one.evaluator(*names, component=component, check=False)
-               if "b" in names and self.at_one is not self else None)
+        one: list = []
         return f
 
     def _vector_checks(self, syms, fixed) -> list:

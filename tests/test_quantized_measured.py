@@ -129,22 +129,31 @@ SKIP_CASES = [  # point, precision, rank, targets, optimizer, quantize_skip
 ]
 
 
+def check_step(point, precision, rank, targets, opt, bits=4, skip=()):
+    """GPT-2 with its projections in ``bits`` (but ``skip``) and LoRA adapters, against symmem:
+    the parameters with every quantization constant, then the training step to the byte."""
+    b, s, h, a, L, V, P, act = point
+    cfg, model = qlora_model(point, precision, rank, targets, bits=bits, skip=skip)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", attention="eager", lora=rank,
+                                               lora_targets=",".join(targets), quantize=f"int{bits}",
+                                               quantize_skip=",".join(skip) or None))
+    ids = torch.randint(0, V, (b, s))
+    fwd = lambda m: m(ids, labels=ids).loss  # noqa: E731
+    if bits == 8:
+        fwd(model)                           # the first forward moves CB and SCB into the layer's state
+    states = quant_state_tensors(model)
+    assert est.at(b=b, s=s).bytes["params"] == param_bytes(model) + storage_bytes(states)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    report = training_step(model, fwd, optimizer(opt, "for-loop", trainable), extra=(ids, states))
+    assert_step_exact(est, report, b, s)
+    return states
+
+
 @pytest.mark.parametrize("point,precision,rank,targets,opt", CASES,
                          ids=[f"b{p[0]}-s{p[1]}-h{p[2]}-{pr}-r{r}-{'+'.join(t)}-{o}" for p, pr, r, t, o in CASES])
 def test_qlora_exact(point, precision, rank, targets, opt):
-    b, s, h, a, L, V, P, act = point
-    cfg, model = qlora_model(point, precision, rank, targets)
-    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", attention="eager", lora=rank,
-                                               lora_targets=",".join(targets), quantize="int4"))
-    ev = est.at(b=b, s=s)
-    states = quant_state_tensors(model)
-    assert len(states) == 5 * 4 * L
-    assert ev.bytes["params"] == param_bytes(model) + storage_bytes(states)
-    ids = torch.randint(0, V, (b, s))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    report = training_step(model, lambda m: m(ids, labels=ids).loss, optimizer(opt, "for-loop", trainable),
-                           extra=(ids, states))
-    assert_step_exact(est, report, b, s)
+    states = check_step(point, precision, rank, targets, opt)
+    assert len(states) == 5 * 4 * point[4]          # five constants per 4-bit layer, four layers a block
 
 
 @pytest.mark.parametrize("point,precision,rank,targets,opt,skip", SKIP_CASES,
@@ -152,19 +161,7 @@ def test_qlora_exact(point, precision, rank, targets, opt):
 def test_qlora_with_layers_kept_exact(point, precision, rank, targets, opt, skip):
     """The seed's "full precision for key layers, 4 bits elsewhere": the first or last layers,
     or a module, kept in the model's dtype (plain LoRA there, peft's lora.bnb elsewhere)."""
-    b, s, h, a, L, V, P, act = point
-    cfg, model = qlora_model(point, precision, rank, targets, skip=skip)
-    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", attention="eager", lora=rank,
-                                               lora_targets=",".join(targets), quantize="int4",
-                                               quantize_skip=",".join(skip)))
-    ev = est.at(b=b, s=s)
-    states = quant_state_tensors(model)
-    assert ev.bytes["params"] == param_bytes(model) + storage_bytes(states)
-    ids = torch.randint(0, V, (b, s))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    report = training_step(model, lambda m: m(ids, labels=ids).loss, optimizer(opt, "for-loop", trainable),
-                           extra=(ids, states))
-    assert_step_exact(est, report, b, s)
+    check_step(point, precision, rank, targets, opt, skip=skip)
 
 
 INT8_CASES = [  # point, precision, rank, targets, optimizer
@@ -180,19 +177,7 @@ INT8_CASES = [  # point, precision, rank, targets, optimizer
                               for p, pr, r, t, o in INT8_CASES])
 def test_int8_lora_exact(point, precision, rank, targets, opt):
     """LoRA over LLM.int8() weights, bitsandbytes' CPU path (``MatMul8bitFp``)."""
-    b, s, h, a, L, V, P, act = point
-    cfg, model = qlora_model(point, precision, rank, targets, bits=8)
-    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", attention="eager", lora=rank,
-                                               lora_targets=",".join(targets), quantize="int8"))
-    ev = est.at(b=b, s=s)
-    ids = torch.randint(0, V, (b, s))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    fwd = lambda m: m(ids, labels=ids).loss  # noqa: E731
-    fwd(model)                               # the first forward moves CB and SCB into the layer's state
-    states = quant_state_tensors(model)
-    assert ev.bytes["params"] == param_bytes(model) + storage_bytes(states)
-    report = training_step(model, fwd, optimizer(opt, "for-loop", trainable), extra=(ids, states))
-    assert_step_exact(est, report, b, s)
+    check_step(point, precision, rank, targets, opt, bits=8)
 
 
 @pytest.mark.parametrize("shape", [(128, 64), (300, 100), (96, 32), (7, 9)])

@@ -37,10 +37,10 @@ from dataclasses import replace
 from ..errors import ConfigError
 from ..graph import Graph
 
-__all__ = ["prepare", "apply", "linear_modules"]
+__all__ = ["prepare", "apply", "linear_modules", "module_of", "LINEAR"]
 
 
-def _module(node) -> str:
+def module_of(node) -> str:
     """The module name of a node: ``h/attn.c_attn`` -> ``attn.c_attn``, ``lm_head`` -> ``lm_head``."""
     return node.name.rsplit("/", 1)[-1]
 
@@ -50,7 +50,7 @@ LINEAR = ("linear", "linear_int4", "linear_int8")
 
 
 def _matches(node, targets) -> bool:
-    mod = _module(node)
+    mod = module_of(node)
     return node.op in LINEAR and any(mod == t or mod.endswith("." + t) for t in targets)
 
 
@@ -61,7 +61,7 @@ def linear_modules(graph: Graph) -> tuple[str, ...]:
         if hasattr(item, "body"):
             out += linear_modules(item.body)
         elif item.op in LINEAR:
-            out.append(_module(item).rsplit(".", 1)[-1])
+            out.append(module_of(item).rsplit(".", 1)[-1])
     return tuple(dict.fromkeys(out))
 
 

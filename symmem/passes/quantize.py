@@ -24,12 +24,9 @@ import sympy as sp
 from ..errors import ConfigError
 from ..graph import Graph
 from ..policy.quantize import INT4_BLOCK
+from .lora import module_of
 
 __all__ = ["prepare", "apply"]
-
-
-def _module(node) -> str:
-    return node.name.rsplit("/", 1)[-1]
 
 
 def _kept_layers(graph: Graph, ranges) -> tuple[Graph, tuple]:
@@ -77,7 +74,7 @@ def prepare(graph: Graph, policy) -> Graph:
         return graph
     skip = policy.quantize_skip or ()
     modules = [t for t in skip if ":" not in t]
-    linear = {_module(n) for g in graph.graphs() for n in g.items if getattr(n, "op", None) == "linear"}
+    linear = {module_of(n) for g in graph.graphs() for n in g.items if getattr(n, "op", None) == "linear"}
     for m in modules:
         if not any(x == m or x.endswith("." + m) for x in linear):
             raise ConfigError("quantize_skip", m, f"a linear layer of {graph.name!r}: one of "
@@ -88,7 +85,7 @@ def prepare(graph: Graph, policy) -> Graph:
     def rewrite(node, sub: Graph) -> bool:
         if node.op != "linear" or node.name in heads or (kept and node.name.startswith(kept)):
             return False
-        if any(_module(node) == m or _module(node).endswith("." + m) for m in modules):
+        if any(module_of(node) == m or module_of(node).endswith("." + m) for m in modules):
             return False
         w = node.params[0]
         shape = tuple(reversed(w.shape)) if node.attr("conv1d") else w.shape
