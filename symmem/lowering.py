@@ -263,20 +263,21 @@ class _Lowering:
             else:                         # "new", or "slice" arriving first
                 news.append((i, v))
 
-        def allocate(when: str):
+        def allocate(when: str, only=None):
             """The input and parameter gradients this node makes ``when``: "now" (its kernels),
-            "reduced" (the engine sums a broadcast bias's), "late" (cast-back nodes after it);
-            returns the bytes of a tied weight's second gradient."""
+            "reduced" (the engine sums a broadcast bias's), "late" (cast-back nodes after it;
+            ``only``: the one ("in" | "param", index)); returns the bytes of a tied weight's
+            second gradient."""
             for i, v in news:
-                if (i in fp.late_inputs) == (when == "late") and when != "reduced":
+                if (i in fp.late_inputs) == (when == "late") and when != "reduced" and only in (None, ("in", i)):
                     key = Key("vgrad", *v)
                     out.append(Alloc(key, self.info[v].nbytes, "transient"))
                     hand(v, key)
             tied = ZERO
             for i, (p, key) in enumerate(zip(inst.node.params, inst.params)):
                 kind = "late" if fp.late_param(i) else "reduced" if i in fp.reduced_params else "now"
-                if kind != when or not p.trainable:     # a frozen weight gets no gradient
-                    continue
+                if kind != when or not p.trainable or only not in (None, ("param", i)):
+                    continue     # a frozen weight gets no gradient
                 if key in seen:           # a tied weight: a second gradient, added in below
                     tied += grad_bytes(p)
                 else:
@@ -295,7 +296,15 @@ class _Lowering:
         if refs[g] == 0:
             out.append(Free(g, self._grad_bytes(g), "transient"))
         out.append(Release(autograd(inst.name, inst.copy)))
-        if fp.late_inputs or any(fp.late_param(i) for i in range(len(inst.params))):
+        if fp.cast_back:                  # one at a time, each half copy freed before the next
+            left = sum((half for *_, half in fp.cast_back), ZERO)
+            other = fp.bwd_temp - left
+            for kind, j, half in fp.cast_back:
+                tied += allocate("late", (kind, j))
+                out.append(Mark("backward", f"{inst.name} (cast back)", (("transient", other + left + tied),),
+                                inst.copy))
+                left -= half
+        elif fp.late_inputs or any(fp.late_param(i) for i in range(len(inst.params))):
             tied += allocate("late")
             out.append(Mark("backward", f"{inst.name} (cast back)", (("transient", fp.bwd_temp + tied),),
                             inst.copy))

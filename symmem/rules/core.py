@@ -173,6 +173,10 @@ class Footprint:
     # parameter this op makes (once per parameter in a forward pass; the cache holds it until
     # forward ends, autograd longer where a "cast:NAME" saved tensor refers to it).
     casts: tuple = ()
+    # The late gradients in the order the cast-back nodes run, (("in" | "param", index, bytes
+    # of its half-precision gradient), ...): each is cast, then its half copy freed, before
+    # the next (empty: all at one moment, their half copies in bwd_temp).
+    cast_back: tuple = ()
 
     def late_param(self, i: int) -> bool:
         """Is the gradient of the node's ``i``-th parameter made after the node?"""

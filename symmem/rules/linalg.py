@@ -34,7 +34,12 @@ def linear_rule(node, ins, ctx):
     kernel and freed after it. Autocast caches only weights that require grad
     (``cached_cast`` in ``autocast_mode.cpp``): a frozen weight's half copy is made at each
     use, saved where the input's gradient needs it and otherwise freed after the kernel
-    (measured: ``tests/test_adapters_measured.py``)."""
+    (measured: ``tests/test_adapters_measured.py``).
+    The gradients are cast back one at a time, each half copy freed before the next cast, in
+    reverse order of the casts autocast made: its wrapper casts its arguments right to left, so
+    ``addmm(bias, x, weight)`` (``conv1d``) casts back the bias's, the input's, then the weight's
+    gradient, ``linear(x, weight, bias)`` the input's, the weight's, then the bias's (measured:
+    ``tests/test_gpt2_measured.py``, ``tests/test_random_graphs_measured.py``)."""
     x = ins[0]
     w = node.params[0]
     out_features = w.shape[1] if node.attr("conv1d") else w.shape[0]
@@ -70,9 +75,17 @@ def linear_rule(node, ins, ctx):
     elif x.requires_grad:                 # a frozen weight, kept for the input's gradient
         saved.append(Saved("weight", "param:0"))
     casts = tuple((p.name, p.numel, cast) for p in node.params if p.trainable) if cast is not None else ()
+    back = ()
+    if cast is not None:      # the cast-back nodes run in reverse order of the casts' creation
+        items = ([("in", 0, x.numel * cast.nbytes)] if late else []) + \
+            [("param", i, node.params[i].numel * cast.nbytes) for i in trainable]
+        rank = {("param", 1): 0, ("in", 0): 1, ("param", 0): 2} if node.attr("conv1d") else \
+            {("in", 0): 0, ("param", 0): 1, ("param", 1): 2}
+        back = tuple(sorted(items, key=lambda it: rank[it[:2]]))
     return Footprint(out, saved=tuple(saved), fwd_temp=fwd_temp, grads=_grads(ins), bwd_temp=bwd_temp,
                      late_inputs=late, late_params=trainable if cast is not None else False, casts=casts,
-                     reduced_params=() if cast is not None else tuple(i for i in trainable if i > 0))
+                     reduced_params=() if cast is not None else tuple(i for i in trainable if i > 0),
+                     cast_back=back)
 
 
 @rule("matmul")
