@@ -390,6 +390,10 @@ def _policy_line(est) -> str:
 def render_table(args, policy: Policy, r: dict) -> str:
     est, ev, j = r["est"], r["ev"], r["json"]
     source = f"config {args.config}" if args.config else "preset"
+    if j["inputs"].get("tie") is not None:          # what --tie/--no-tie and --share changed
+        source += "; tied output layer" if j["inputs"]["tie"] else "; own output layer"
+    if j["inputs"].get("share"):
+        source += f"; shared: {', '.join(j['inputs']['share'])}"
     dims = ", ".join(f"{k} = {v:,}" if isinstance(v, int) else f"{k} = {v}"
                      for k, v in j["bindings"].items() if not k.startswith("B_"))
     out = [f"symmem estimate: {est.graph.name} ({source}), {j['parameters']:,} parameters",

@@ -269,7 +269,8 @@ class Estimate:
                 if ones.any() and self.at_one is not self:
                     if not one:
                         one.append(self.at_one.evaluator(*names, component=component, check=False))
-                    out = np.where(ones, one[0](**arrays), out)
+                    out = np.array(out)
+                    out[ones] = one[0](**{n: np.broadcast_to(v, shape)[ones] for n, v in zip(names, args)})
             return out
         one: list = []
         return f

@@ -454,6 +454,10 @@ def test_share_qkv_and_layers(capsys):
     assert base["parameters"] - layers["parameters"] == 11 * 7_087_872 == 77_966_592
     assert both["parameters"] == 124_439_808 - 12 * 7_087_872 + 5_906_688 == 45_292_032
     assert (qkv["inputs"]["share"], both["inputs"]["share"]) == (["qkv"], ["qkv", "layers"])
+    assert main(["estimate", "--model", "gpt2", "--batch", "1", "--seq", "8", "--share", "qkv,layers",
+                 "--no-tie"]) == 0
+    assert capsys.readouterr().out.startswith("symmem estimate: gpt2 (preset; own output layer; shared: qkv, "
+                                              "layers), 83,889,408 parameters")   # 45,292,032 + 38,597,376
     with pytest.raises(SystemExit):
         main(["estimate", "--model", "gpt2", "--batch", "1", "--seq", "8", "--share", "heads"])
     assert "expected qkv and/or layers, comma-separated, got 'heads'" in capsys.readouterr().err
