@@ -14,7 +14,6 @@ import symmem as sm  # noqa: E402
 from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
 from helpers import assert_step_exact  # noqa: E402
 from test_gpt2_measured import POINTS, graph_of, hf_model, loss_fn, optimizer  # noqa: E402
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402,F401
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
