@@ -13,7 +13,10 @@ CUDA differs from the CPU in what is checked here: 1-byte dropout masks, float32
 statistics, autocast's CUDA lists (layer_norm, softmax, log_softmax and pow in float32),
 Adam's step counters on the host, foreach optimizers, Python numbers saved on the host,
 and SDPA's CUDA kernels (flash, mem-efficient, cuDNN: the one PyTorch picks on this GPU is
-found by a probe and named to symmem, which prints it).
+found by a probe and named to symmem, which prints it), bitsandbytes' 8-bit Adam (one
+in-place kernel per tensor) and, where bitsandbytes and peft are installed, QLoRA (NF4
+layers under peft's adapters, the dispatch tracker's peak beside symmem's: a difference is
+what bitsandbytes' custom ops allocate inside, which max_alloc shows).
 Exit status 1 when a difference is not zero.
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ transformers.logging.set_verbosity_error()
 
 # (b, s, h, a, L, V, n_positions, activation)
 POINTS = [(2, 16, 32, 4, 2, 100, 32, "gelu_new"), (4, 64, 64, 4, 3, 500, 64, "gelu_new"),
-          (8, 128, 128, 8, 2, 1000, 128, "gelu")]
+          (8, 128, 128, 8, 2, 1000, 128, "gelu"), (16, 128, 128, 8, 2, 1000, 128, "gelu")]
 CASES = [  # point, precision, optimizer, implementation, recompute, accumulate[, attention]
     (0, "fp32", "adamw", "auto", "none", 1, "sdpa"),
     (1, "bf16-mixed", "adamw", "auto", "none", 1, "sdpa"),
@@ -54,7 +57,11 @@ CASES = [  # point, precision, optimizer, implementation, recompute, accumulate[
     (2, "bf16-mixed", "adamw", "auto", "selective", 1),
     (1, "bf16-mixed", "adamw", "auto", "none", 2),
     (1, "fp32", "sgd", "auto", "full", 3),
+    (1, "bf16-mixed", "adam8bit", "for-loop", "none", 1, "sdpa"),   # bitsandbytes' in-place CUDA kernel
 ]
+#: QLoRA (bitsandbytes' NF4 layers, peft's adapters; bf16 model): point, rank, targets; 2048
+#: tokens, above the 1536 rows below which bitsandbytes may pick its fused CUDA kernel
+QLORA = [(3, 8, ("c_attn", "c_proj", "c_fc")), (3, 16, ("c_attn",))]
 
 
 from transformers.models.gpt2 import modeling_gpt2  # noqa: E402
@@ -84,6 +91,9 @@ def model_for(point, recompute, attention="eager"):
 
 
 def optimizer_for(name, impl, params):
+    if name == "adam8bit":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params)
     kw = {} if impl == "auto" else {"foreach": impl == "foreach", "fused": impl == "fused"}
     if name in ("adam", "adamw"):
         return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, **kw)
@@ -130,6 +140,59 @@ def run(case):
     return ev, cuda_saved, report, "+".join(est.kernels)
 
 
+def qlora_model(point, rank, targets):
+    """GPT-2 in bfloat16, its block projections bitsandbytes' Linear4bit (NF4, double
+    quantization, Conv1D's weight transposed as transformers quantizes one), peft's adapters on
+    ``targets``; with the quantization state's tensors, which are not parameters."""
+    import bitsandbytes as bnb
+    import peft
+    b, s, h, a, L, V, P, act = point
+    cfg, model = model_for(point, "none", "sdpa")
+    model.to(torch.bfloat16)
+    states = []
+    for block in model.transformer.h:
+        for part, name in (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj")):
+            conv = getattr(getattr(block, part), name)
+            w = conv.weight.detach().t().contiguous()
+            lin = bnb.nn.Linear4bit(w.shape[1], w.shape[0], bias=True, compute_dtype=torch.bfloat16,
+                                    compress_statistics=True, quant_type="nf4")
+            lin.weight = bnb.nn.Params4bit(w.cpu(), requires_grad=False, blocksize=64, compress_statistics=True,
+                                           quant_type="nf4", module=lin).cuda()
+            lin.bias = torch.nn.Parameter(conv.bias.detach().clone())
+            setattr(getattr(block, part), name, lin)
+            qs = lin.weight.quant_state
+            states += [qs.absmax, qs.code, qs.offset, qs.state2.absmax, qs.state2.code]
+    model.is_loaded_in_4bit = True
+    config = peft.LoraConfig(r=rank, lora_alpha=16, target_modules=list(targets), lora_dropout=0.0)
+    return cfg, peft.get_peft_model(model, config), states
+
+
+def run_qlora(case):
+    """bitsandbytes' 4-bit forward is one custom op (gemm_4bit: above 1536 rows of input, its
+    dequantize-then-F.linear fallback), whose allocations the live-storage tracker would not
+    see inside: the op calls the fallback itself here (what runs at these sizes), so that each
+    allocation is seen, and the tracker's peak is compared with symmem's."""
+    from bitsandbytes.backends.cuda import ops as cuda_ops
+
+    class Gemm4bit:
+        default = staticmethod(cuda_ops._dequant_linear_fallback)
+    torch.ops.bitsandbytes.gemm_4bit = Gemm4bit
+    i, rank, targets = case
+    point = POINTS[i]
+    b, s, h, a, L, V, P, act = point
+    cfg, model, states = qlora_model(point, rank, targets)
+    graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": "sdpa"})
+    kernel = sdpa_backend(point, torch.bfloat16)
+    est = sm.estimate(graph, sm.Policy("bf16", "adamw", "cuda", "foreach", attention=kernel, lora=rank,
+                                       lora_targets=",".join(targets), quantize="int4"))
+    ev = est.at(b=b, s=s)
+    ids = torch.randint(0, V, (b, s), device="cuda")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    report = training_step(model, lambda m: m(ids, labels=ids).loss, torch.optim.AdamW(trainable),
+                           extra=(ids, states))
+    return ev, report, "+".join(est.kernels)
+
+
 def main() -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
     print(f"{'case':<52}{'saved':>10}{'diff':>7}{'peak':>11}{'diff':>8}{'max_alloc':>11}  where")
@@ -146,6 +209,24 @@ def main() -> int:
         bad += ds != 0 or dp != 0
         print(f"{name:<52}{saved:>10,}{ds:>7,}{report.peak:>11,}{dp:>8,}{report.cuda_max_allocated:>11,}  "
               f"[{kernels}] {ev.peak_point.where} | {report.peak_phase} {report.peak_op}")
+    try:
+        import bitsandbytes  # noqa: F401
+        import peft  # noqa: F401
+    except ImportError:
+        print("QLoRA cases skipped: pip install bitsandbytes peft")
+    else:
+        for case in QLORA:
+            name = f"P{case[0]} bf16 QLoRA int4 r={case[1]} {'+'.join(case[2])}"
+            try:
+                ev, report, kernels = run_qlora(case)
+            except Exception:
+                bad += 1
+                print(f"{name:<52}ERROR\n{traceback.format_exc(limit=3)}")
+                continue
+            dp = ev.peak - report.peak
+            bad += dp != 0
+            print(f"{name:<52}{'':>10}{'':>7}{report.peak:>11,}{dp:>8,}{report.cuda_max_allocated:>11,}  "
+                  f"[{kernels}] {ev.peak_point.where} | {report.peak_phase} {report.peak_op}")
     print("all exact" if not bad else f"{bad} case(s) differ")
     return 1 if bad else 0
 

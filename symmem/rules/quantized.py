@@ -28,11 +28,13 @@ def _shapes(node, x):
 def linear_int4_rule(node, ins, ctx):
     """``bnb.nn.Linear4bit`` -> ``bnb.matmul_4bit`` -> ``MatMul4Bit`` (bitsandbytes/autograd/
     _functions.py) with a nested quantization state: ``gemm_4bit`` dequantizes the 8-bit block
-    scales to float32 (``dequantize_blockwise(...) + offset``: 4 ceil(n/64) bytes), the weight to
-    the input's dtype (n elements), then ``F.linear`` (backends/default/ops.py,
-    ``_gemm_4bit_default_impl``; CUDA's ``gemm_4bit`` takes the same fallback above 256 rows of
-    input, ``_dequant_linear_fallback``, its own kernel only below). ``ctx.tensors = (None, B)``:
-    the packed weight, no new memory. Backward: ``grad_output @ F.dequantize_4bit(B,
+    scales to float32 and adds the offset (4 ceil(n/64) bytes; on CUDA the dequantized scales
+    stay referenced beside their sum: 8 ceil(n/64)), the weight to the input's dtype (n
+    elements), then ``F.linear`` (CPU: backends/default/ops.py, ``_gemm_4bit_default_impl``;
+    CUDA: backends/cuda/ops.py, ``_dequant_linear_fallback``, taken above 1536 rows of input,
+    b*s > 1536, or where bitsandbytes' heuristic declines its fused kernel, which dequantizes
+    nothing whole: there this scratch is an upper bound). ``ctx.tensors = (None, B)``: the
+    packed weight, no new memory. Backward: ``grad_output @ F.dequantize_4bit(B,
     state).to(grad_output.dtype)``: the weight in its original dtype (the model's: no second
     copy) beside the input's gradient; ``F.dequantize_4bit``'s float32 scales (4 ceil(n/64)) are
     freed when it returns, before the product (so at b*s*in*dtype < 4 ceil(n/64) bytes, a
@@ -42,8 +44,8 @@ def linear_int4_rule(node, ins, ctx):
     out = _shapes(node, x)
     n = node.params[0].numel
     weight = n * x.dtype.nbytes
-    return Footprint(out, fwd_temp=4 * sp.ceiling(n / node.attr("block", 64)) + weight, grads=_grads(ins),
-                     bwd_temp=weight if x.requires_grad else 0)
+    scales = (8 if ctx.device == "cuda" else 4) * sp.ceiling(n / node.attr("block", 64))
+    return Footprint(out, fwd_temp=scales + weight, grads=_grads(ins), bwd_temp=weight if x.requires_grad else 0)
 
 
 @rule("linear_int8")
