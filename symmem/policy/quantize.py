@@ -23,8 +23,9 @@ or last N layers of the repeated block), comma-separated.
 
 The layer computes in the dtype its input arrives in (bitsandbytes' ``compute_dtype`` left
 at the input's dtype, as a model loaded in that dtype runs): a pure precision (``fp32``,
-``bf16``, ``fp16``). Autocast over a quantized model, or float32 layers around a bfloat16
-4-bit compute (peft's ``prepare_model_for_kbit_training``), are refused, not guessed.
+``bf16``, ``fp16``). Autocast or master weights over a quantized model are refused; float32
+layers around a bfloat16 4-bit compute (peft's ``prepare_model_for_kbit_training``) are not
+modelled yet.
 """
 from __future__ import annotations
 
