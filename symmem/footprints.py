@@ -145,7 +145,7 @@ class _Tracer:
         elif not grad:    # autograd records nothing: what the op would save is made and dropped
             made = sum((sv.nbytes for sv in fp.saved if sv.ref == "new" and not sv.brief), sp.Integer(0))
             fp = replace(fp, out=replace(fp.out, requires_grad=False), saved=(), fwd_temp=fp.fwd_temp + made,
-                         bwd_temp=sp.Integer(0), late_inputs=(), late_params=False, reduced_params=())
+                         bwd_temp=sp.Integer(0), cast_back=(), reduced_params=())
         own = rep.body._params if rep is not None else {}
         params = tuple(Key("param", p.name, copy if p.name in own else 0) for p in node.params)
         out = t.storage[inputs[fp.alias]] if fp.alias is not None else Key("value", node.name, copy)

@@ -127,7 +127,7 @@ class _Lowering:
         params = graph.params()
         trained = [(p, m) for p, m in params if p.trainable]   # frozen: no gradient, master or state
         # the master copy: of the trainable weights in the precision's dtype
-        M = sp.expand(sum((p.numel * m for p, m in trained if p.dtype is None), ZERO))
+        M = self.master = sp.expand(sum((p.numel * m for p, m in trained if p.dtype is None), ZERO))
         tensors = sp.expand(sum((m for _, m in trained), ZERO))
         opt, prec = policy.opt, policy.prec
 
@@ -265,9 +265,9 @@ class _Lowering:
 
         def allocate(when: str, only=None):
             """The input and parameter gradients this node makes ``when``: "now" (its kernels),
-            "reduced" (the engine sums a broadcast bias's), "late" (cast-back nodes after it;
-            ``only``: the one ("in" | "param", index)); returns the bytes of a tied weight's
-            second gradient."""
+            "reduced" (the engine sums a broadcast bias's), "late" (the cast-back node of
+            ``only``, ("in" | "param", index)); returns the bytes of a tied weight's second
+            gradient."""
             for i, v in news:
                 if (i in fp.late_inputs) == (when == "late") and when != "reduced" and only in (None, ("in", i)):
                     key = Key("vgrad", *v)
@@ -296,18 +296,13 @@ class _Lowering:
         if refs[g] == 0:
             out.append(Free(g, self._grad_bytes(g), "transient"))
         out.append(Release(autograd(inst.name, inst.copy)))
-        if fp.cast_back:                  # one at a time, each half copy freed before the next
-            left = sum((half for *_, half in fp.cast_back), ZERO)
-            other = fp.bwd_temp - left
-            for kind, j, half in fp.cast_back:
-                tied += allocate("late", (kind, j))
-                out.append(Mark("backward", f"{inst.name} (cast back)", (("transient", other + left + tied),),
-                                inst.copy))
-                left -= half
-        elif fp.late_inputs or any(fp.late_param(i) for i in range(len(inst.params))):
-            tied += allocate("late")
-            out.append(Mark("backward", f"{inst.name} (cast back)", (("transient", fp.bwd_temp + tied),),
+        left = sum((half for *_, half in fp.cast_back), ZERO)
+        other = fp.bwd_temp - left
+        for kind, j, half in fp.cast_back:  # one at a time, each half copy freed before the next
+            tied += allocate("late", (kind, j))
+            out.append(Mark("backward", f"{inst.name} (cast back)", (("transient", other + left + tied),),
                             inst.copy))
+            left -= half
         if tied != 0:                     # the engine sums the two gradients out of place
             out.append(Mark("backward", f"{inst.name} (tied gradient sum)", (("transient", 2 * tied),),
                             inst.copy))
@@ -329,9 +324,8 @@ class _Lowering:
             events += [Mark("optimizer", "grad scaler unscale_", (("transient", sp.Integer(16)),)),
                        Alloc(Key("value", "found_inf"), sp.Integer(4), "transient")]
         trained = [(p, m) for p, m in graph.params() if p.trainable]
-        if policy.prec.master:
-            master = sp.expand(sum((p.numel * m for p, m in trained if p.dtype is None), ZERO))
-            events.append(Alloc(Key("master grads", "all"), master * B_m, "transient"))
+        if policy.prec.master:           # the master copy's gradients (counted in _states)
+            events.append(Alloc(Key("master grads", "all"), self.master * B_m, "transient"))
         order = [p for p in _param_order(graph.items) if p.trainable]
         rebind = own_dtype([p for p, _ in trained])
         for where, temp in policy.opt.step_temps(policy.impl, order, trained, policy.device):

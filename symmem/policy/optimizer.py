@@ -33,6 +33,10 @@ __all__ = ["Optimizer", "Implementation", "OPTIMIZERS", "IMPLEMENTATIONS"]
 ZERO = sp.Integer(0)
 
 
+def _numel(shape) -> sp.Expr:
+    return sp.Mul(*shape) if shape else sp.Integer(1)
+
+
 @dataclass(frozen=True)
 class Implementation:
     name: str
@@ -138,7 +142,7 @@ def _adafactor_state(shape) -> sp.Expr:
     """A (..., R, C) parameter keeps ``row_var`` (..., R, 1) and ``col_var`` (..., 1, C):
     numel/C + numel/R elements; a vector (or a 0-dim tensor) keeps ``variance``, its own size
     (torch/optim/_adafactor.py, ``Adafactor._init_group``)."""
-    n = sp.Mul(*shape) if shape else sp.Integer(1)
+    n = _numel(shape)
     return sp.expand(n / shape[-1] + n / shape[-2]) if _factored(shape) else n
 
 
@@ -235,7 +239,7 @@ def _adafactor_hf_momentum_for_loop(order, params) -> list:
 def _adafactor_hf_momentum_state(shape) -> sp.Expr:
     """As transformers' Adafactor without a first moment, plus ``exp_avg``: the parameter's
     size (``torch.zeros_like(grad)``)."""
-    return _adafactor_hf_state(shape) + (sp.Mul(*shape) if shape else sp.Integer(1))
+    return _adafactor_hf_state(shape) + _numel(shape)
 
 
 #: bitsandbytes' 8-bit optimizers: a parameter of fewer elements keeps 32-bit states
@@ -245,10 +249,6 @@ MIN_8BIT_SIZE, BLOCK_8BIT = 4096, 256
 #: the signed and unsigned dynamic quantization maps (``qmap1``, ``qmap2``): 256 float32 each,
 #: made once per optimizer (``Optimizer8bit.fill_qmap``) and shared by every parameter's state
 QMAPS_8BIT = sp.Integer(2 * 256 * 4)
-
-
-def _numel(shape) -> sp.Expr:
-    return sp.Mul(*shape) if shape else sp.Integer(1)
 
 
 def _adam8bit_state(shape) -> sp.Expr:

@@ -97,14 +97,15 @@ def sdpa_kernel_rule(node, ins, ctx):
     rows = ss if kernel != "mem-efficient" else _round(ss, 32)
     cast = ctx.autocast_dtype("scaled_dot_product_attention")
     dt = cast or q.dtype
-    saved, late, bwd_temp = [], [], sp.Integer(0)
+    saved, late, bwd_temp = [], [], sp.Integer(0)      # late: the cast-back of q, k, v's gradients
     for i, (t, label) in enumerate(zip((q, k, v), ("query", "key", "value"))):
         if ctx.same(t.dtype, dt):
             saved.append(Saved(label, f"in{i}"))
         elif cast is not None:            # autocast's copy is what the kernel gets and keeps
             saved.append(Saved(f"{label} (autocast copy)", "new", t.numel, dt))
-            late.append(i)
-            bwd_temp += t.numel * dt.nbytes if t.requires_grad else 0
+            if t.requires_grad:
+                late.append(("in", i, t.numel * dt.nbytes))
+                bwd_temp += t.numel * dt.nbytes
         else:
             raise ConfigError(f"input of {node.name!r}", t.dtype.name, f"q, k and v in one dtype ({dt.name})")
     saved += [Saved("output", "out"), Saved("log-sum-exp", "new", bb * aa * rows, F32, after=True)]
@@ -117,7 +118,8 @@ def sdpa_kernel_rule(node, ins, ctx):
         elif kernel == "mem-efficient":
             bwd_temp += 4 * bb * aa * ss * (dd + 1)
     out = TensorInfo(tuple(q.shape[:-1]) + (v.shape[-1],), dt, False, True, seq_major=True)
-    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, late_inputs=tuple(late))
+    # autocast casts q, k, v right to left, so their cast-backs run q, k, v (as linear's do)
+    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, cast_back=tuple(late))
 
 
 @rule("sdpa_causal_mask")

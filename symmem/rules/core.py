@@ -159,12 +159,6 @@ class Footprint:
     fwd_temp: sp.Expr = sp.Integer(0)
     grads: tuple = ()
     bwd_temp: sp.Expr = sp.Integer(0)
-    # Gradients made after the node (by autocast's cast-back nodes, ToCopyBackward, or the
-    # engine's reduction of a broadcast bias), once its saved tensors and output gradient
-    # are released: these inputs' and the parameters' in late_params (True: all of them; or
-    # their indices in node.params). Half-precision gradients being cast back are in bwd_temp.
-    late_inputs: tuple = ()
-    late_params: bool | tuple = False
     # Parameters (indices in node.params) whose gradient the engine sums to their shape once
     # the node's kernels have run (validate_outputs: a broadcast bias), before it releases
     # the node's saved tensors.
@@ -173,14 +167,21 @@ class Footprint:
     # parameter this op makes (once per parameter in a forward pass; the cache holds it until
     # forward ends, autograd longer where a "cast:NAME" saved tensor refers to it).
     casts: tuple = ()
-    # The late gradients in the order the cast-back nodes run, (("in" | "param", index, bytes
-    # of its half-precision gradient), ...): each is cast, then its half copy freed, before
-    # the next (empty: all at one moment, their half copies in bwd_temp).
+    # Gradients made after the node by autocast's cast-back nodes (ToCopyBackward), once its
+    # saved tensors and output gradient are released, in the order those nodes run: (("in" |
+    # "param", index, bytes of the half-precision gradient cast back), ...). Each is cast, then
+    # its half copy freed, before the next; the half copies are in bwd_temp too (the node's
+    # kernels make them).
     cast_back: tuple = ()
+
+    @property
+    def late_inputs(self) -> tuple:
+        """The inputs whose gradient a cast-back node makes after the node."""
+        return tuple(i for kind, i, _ in self.cast_back if kind == "in")
 
     def late_param(self, i: int) -> bool:
         """Is the gradient of the node's ``i``-th parameter made after the node?"""
-        return self.late_params is True or (isinstance(self.late_params, tuple) and i in self.late_params)
+        return any(kind == "param" and j == i for kind, j, _ in self.cast_back)
 
 
 Rule = Callable[[NodeLike, list, Ctx], Footprint]

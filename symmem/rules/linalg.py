@@ -26,7 +26,7 @@ def linear_rule(node, ins, ctx):
     The bias's gradient is the output's gradient summed over the rows, which the autograd
     engine does when the node's kernels have run (``validate_outputs``), before it releases
     what the node saved (``reduced_params``); under autocast every parameter's gradient
-    comes after the node, cast back (``late_params``).
+    comes after the node, cast back (``cast_back``).
 
     A frozen weight (``Param.trainable`` False, as LoRA's base layers): autograd saves only
     what the other gradients need (the input only for the weight's gradient, the weight only
@@ -83,9 +83,8 @@ def linear_rule(node, ins, ctx):
             {("in", 0): 0, ("param", 0): 1, ("param", 1): 2}
         back = tuple(sorted(items, key=lambda it: rank[it[:2]]))
     return Footprint(out, saved=tuple(saved), fwd_temp=fwd_temp, grads=_grads(ins), bwd_temp=bwd_temp,
-                     late_inputs=late, late_params=trainable if cast is not None else False, casts=casts,
-                     reduced_params=() if cast is not None else tuple(i for i in trainable if i > 0),
-                     cast_back=back)
+                     casts=casts, cast_back=back,
+                     reduced_params=() if cast is not None else tuple(i for i in trainable if i > 0))
 
 
 @rule("matmul")

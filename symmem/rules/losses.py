@@ -59,4 +59,4 @@ def nll_loss_rule(node, ins, ctx):
     saved = (first, target, Saved("total weight", "new", sp.Integer(1), F32, after=True))
     out_dt = logp.dtype if cast is None else cast
     return Footprint(TensorInfo((), out_dt), saved=saved, fwd_temp=padded,
-                     grads=_grads(ins), bwd_temp=bwd_temp, late_inputs=(0,) if bwd_temp != 0 else ())
+                     grads=_grads(ins), bwd_temp=bwd_temp, cast_back=(("in", 0, bwd_temp),) if bwd_temp != 0 else ())
