@@ -648,8 +648,10 @@ def _policy_entries(part) -> list[tuple[str, str]]:
                      ("R", "a rank >= 1: adapters A (R x in) and B (out x R) beside each target"),
                      ("r", "the rank as the symbol r, which stays in the formulas")],
             "lora_targets": [("NAMES", "module names, comma-separated (c_attn, c_proj, c_fc, lm_head for GPT-2)")],
-            "quantize_skip": [("NAMES", "module names (c_proj: every linear layer whose name ends so)"),
+            "quantize_skip": [("NAMES", "module names (c_proj, attn: every linear layer in the module)"),
                               ("first:N, last:N", "the first or last N layers of the repeated block")],
+            "keep_fp32": [("NAMES", "module names (lm_head, attn: every operator of the module)"),
+                          ("first:N, last:N", "the first or last N layers of the repeated block")],
             }[part.field]
 
 

@@ -13,7 +13,9 @@ is recorded as a requirement (the formulas hold from two iterations on).
 
 A node with the attribute ``autocast=False`` is traced with autocast off: the operators of
 a kernel that autocast treats as one op (SDPA's math fallback runs inside
-``scaled_dot_product_attention``, which autocast casts once at its entry).
+``scaled_dot_product_attention``, which autocast casts once at its entry). A node with
+``fp32=True`` (a module kept in float32, :mod:`symmem.passes.keep_fp32`) is traced with
+autocast off and float32 compute (:meth:`~symmem.rules.Ctx.float32`).
 
 This module reads the graph through its attributes only, so the graph's own displays can
 use it.
@@ -135,7 +137,8 @@ class _Tracer:
             inputs = (self.carried(rep, copy, node.attr("index", 0)),)
         else:
             inputs = tuple(self.where(v, copy, rep) for v in node.inputs)
-        ctx = self.ctx if node.attr("autocast", True) else replace(self.ctx, autocast=False)
+        ctx = self.ctx.float32() if node.attr("fp32") else self.ctx
+        ctx = ctx if node.attr("autocast", True) else replace(ctx, autocast=False)
         fp = get_rule(node.op)(node, [t.info[i] for i in inputs], ctx)
         grad = any(t.info[i].requires_grad for i in inputs) or any(p.trainable for p in node.params)
         if node.op in ("input", "carry"):

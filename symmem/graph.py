@@ -672,19 +672,21 @@ def _defines(item):
 
 def _renamed_body(rep: Repeat, prefix: str, param_prefix: str, carried: tuple, sep: str = "/"):
     """The body of ``rep`` written out once: value ``name/x`` renamed ``prefix/x`` (with
-    ``sep`` between), its parameters ``param_prefix + name``, its carry nodes reading
-    ``carried``. Returns the nodes, the names of the copy's outputs and the body's held
-    locals (:meth:`Graph.hold`) renamed."""
+    ``sep`` between), and so is an attribute naming one (``weights_until``); its parameters
+    ``param_prefix + name``, its carry nodes reading ``carried``. Returns the nodes, the
+    names of the copy's outputs and the body's held locals (:meth:`Graph.hold`) renamed."""
     ren = dict(zip(rep.carries, carried))
+    for node in rep.body.items:
+        if node.name not in ren:
+            ren[node.name] = prefix + sep + (node.name.split("/", 1)[1] if "/" in node.name else node.name)
     nodes = []
     for node in rep.body.items:
-        if node.name in ren:
+        if node.name in rep.carries:
             continue
-        new = prefix + sep + node.name.split("/", 1)[1] if "/" in node.name else prefix + sep + node.name
-        ren[node.name] = new
         params = tuple(replace(p, name=param_prefix + p.name) if p.name in rep.body._params else p
                        for p in node.params)
-        nodes.append(Node(new, node.op, tuple(ren.get(x, x) for x in node.inputs), params, node.attrs,
+        attrs = tuple((k, ren.get(v, v) if isinstance(v, str) else v) for k, v in node.attrs)
+        nodes.append(Node(ren[node.name], node.op, tuple(ren.get(x, x) for x in node.inputs), params, attrs,
                           node.shape))
     return nodes, tuple(ren[o] for o in rep.output), tuple((ren[v], ren[u]) for v, u in rep.body.locals)
 

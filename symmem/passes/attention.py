@@ -48,8 +48,7 @@ def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple
 
 def prepare(graph: Graph, policy) -> Graph:
     """The graph with every attention node replaced by the operators of its kernel."""
-    ctx = policy.ctx()
-    dtype = ctx.act_name
+    base = policy.ctx()
     needs = []
     masks_read_elsewhere = _read_by_other_ops(graph)
 
@@ -62,7 +61,8 @@ def prepare(graph: Graph, policy) -> Graph:
         q, k, v = node.inputs[:3]
         p = node.attr("dropout", 0.0)
         d = sp.sympify(sub.shape(q)[-1])
-        kernel, head_needs = kernel_of(policy, dtype, p, d.xreplace(graph.bindings), graph.attention)
+        ctx = base.float32() if node.attr("fp32") else base        # a module kept in float32
+        kernel, head_needs = kernel_of(policy, ctx.act_name, p, d.xreplace(graph.bindings), graph.attention)
         needs.extend(n.requirement(d) for n in head_needs)
         scope = {key: value for key, value in node.attrs if key not in OWN_ATTRS}
         with sub.scope(**scope, attention_kernel=kernel):
@@ -114,7 +114,7 @@ def _eager(node, g: Graph, ctx) -> None:
     if mask:
         z = g.add("add", z, mask[0], name=pre + "mask")
     z = g.add("softmax", z, name=pre + "softmax")
-    z = g.add("to_compute", z, name=pre + "probs")
+    z = g.add("type_as", z, v, name=pre + "probs")
     z = g.add("dropout", z, p=node.attr("dropout", 0.0), name=pre + "attn_dropout")
     g.add("matmul", z, v, name=node.name)
     if node.attr("weights_until"):

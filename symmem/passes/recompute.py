@@ -20,8 +20,9 @@ core). What PyTorch does, measured (``tests/test_recompute_measured.py``):
 - The RNG states the checkpoint stashes (5,056 bytes for the CPU generator, 16 per CUDA
   device) are host memory, not counted.
 
-:func:`prepare` regroups the graph for ``every:K`` (K layers per iteration) and splits a
-block for ``last:N`` and ``layers``; :func:`apply` rewrites the plan's regions.
+:func:`prepare` regroups the graph for ``every:K`` (K layers per iteration); for ``last:N``
+and ``layers`` :mod:`symmem.passes.regions` splits the block; :func:`apply` rewrites the
+plan's regions.
 """
 from __future__ import annotations
 
@@ -40,42 +41,20 @@ TAG = ("recompute", "attention")
 
 
 def prepare(graph: Graph, policy) -> Graph:
-    """The graph the regions are cut from: K layers per iteration for ``every:K``; for
-    ``last:N`` and ``layers``, each repeated block split where the recomputed layers start
-    and end, the recomputed part's layers annotated ``checkpoint=True``."""
+    """The graph the regions are cut from: K layers per iteration for ``every:K``. (For
+    ``last:N`` and ``layers``, :mod:`symmem.passes.regions` has split each repeated block where
+    the recomputed layers start and end and annotated their part ``checkpoint=True``.)"""
     spec = policy.recompute
+    if spec.mode != "every":
+        return graph
     for rep in graph.repeats():
-        if spec.mode == "every":
-            bound = sp.sympify(sp.sympify(rep.count).xreplace(graph.bindings))
-            if bound.is_Integer and int(bound) % spec.k:
-                divisors = [f"every:{d}" for d in range(1, int(bound) + 1) if int(bound) % d == 0]
-                raise ConfigError("recompute", str(spec), f"every:K with K dividing the {bound} layers of block "
-                                  f"{rep.name!r}", f"For example {', '.join(divisors)}.")
-            graph = graph.grouped(rep.name, spec.k)
-        elif spec.mode in ("last", "layers"):
-            graph = _split(graph, rep, spec)
+        bound = sp.sympify(sp.sympify(rep.count).xreplace(graph.bindings))
+        if bound.is_Integer and int(bound) % spec.k:
+            divisors = [f"every:{d}" for d in range(1, int(bound) + 1) if int(bound) % d == 0]
+            raise ConfigError("recompute", str(spec), f"every:K with K dividing the {bound} layers of block "
+                              f"{rep.name!r}", f"For example {', '.join(divisors)}.")
+        graph = graph.grouped(rep.name, spec.k)
     return graph
-
-
-def _split(graph: Graph, rep, spec) -> Graph:
-    n = rep.count
-    bound = sp.sympify(sp.sympify(n).xreplace(graph.bindings))
-    if spec.mode == "last":
-        if bound.is_number and spec.k > bound:
-            raise ConfigError("recompute", str(spec), f"last:N with N at most the {bound} layers of block "
-                              f"{rep.name!r}", "Keep fewer layers, or use recompute=none.")
-        if bound.is_number and spec.k == bound:
-            return graph                      # every layer keeps its activations
-        start, stop = sp.Integer(0), sp.expand(n - spec.k)
-    else:
-        start, stop = sp.Integer(spec.span[0]), sp.sympify(n if spec.span[1] is None else spec.span[1])
-        if bound.is_number and (sp.sympify(stop.xreplace(graph.bindings)) > bound or start >= bound):
-            raise ConfigError("recompute", str(spec), f"layers within the {bound} layers of block {rep.name!r}")
-    at = [x for x in (start, stop) if x != 0 and sp.expand(x - n) != 0]
-    g = graph.split_layers(rep.name, at) if at else graph
-    part = Graph.part_name(rep.name, start, stop, n) if at else rep.name
-    g.annotate_layers(part, 0, None, checkpoint=True)
-    return g
 
 
 def regions(plan: Plan, graph: Graph, spec) -> list[list[int]]:

@@ -16,7 +16,10 @@ Each part is chosen from a registry (:mod:`symmem.policy.registry`), one module 
 - ``lora`` and ``lora_targets`` (:mod:`~symmem.policy.adapters`): LoRA adapters of rank
   R (or the symbol ``r``) on the named projections, the base model frozen;
 - ``quantize`` (:mod:`~symmem.policy.quantize`): the frozen linear weights stored in int8
-  or 4-bit NF4 (bitsandbytes), under LoRA adapters (QLoRA);
+  or 4-bit NF4 (bitsandbytes), under LoRA adapters (QLoRA), but those ``quantize_skip`` names;
+- ``keep_fp32``: modules and layer ranges a mixed-precision run keeps out of autocast, in
+  float32 (:mod:`symmem.passes.keep_fp32`); both name regions as :mod:`~symmem.policy.regions`
+  says;
 - ``parallel`` (:mod:`~symmem.policy.slots`): one entry today.
 
 :data:`PARTS` describes every part for the command line, which generates its options,
@@ -32,8 +35,9 @@ from .adapters import LoRA
 from .attention import ATTENTION
 from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
-from .quantize import QUANTIZE, Quantization, parse_skip
+from .quantize import QUANTIZE, Quantization
 from .recompute import RECOMPUTE, Recompute
+from .regions import parse_regions
 from .registry import Registry
 from .slots import DEVICES, PARALLEL
 
@@ -52,7 +56,9 @@ class Policy:
     for adapters on ``lora_targets`` (comma-separated module names; None: peft's default),
     every other weight frozen; ``"none"`` for none. ``quantize``: ``"int4"`` (QLoRA's NF4) or
     ``"int8"`` stores the frozen linear weights so (with ``lora``, in a pure precision) but
-    those ``quantize_skip`` names (modules, ``first:N``, ``last:N``)."""
+    those ``quantize_skip`` names (modules, ``first:N``, ``last:N``). ``keep_fp32`` names
+    modules and layer ranges run with autocast off, in float32 (with ``bf16-mixed`` or
+    ``fp16-mixed``)."""
     precision: str = "fp32"
     optimizer: str = "adamw"
     device: str = "cuda"
@@ -64,6 +70,7 @@ class Policy:
     lora_targets: tuple | str | None = None
     quantize: str = "none"
     quantize_skip: tuple | str | None = None
+    keep_fp32: tuple | str | None = None
     parallel: str = "none"
     #: derive the step at b = 1 (set by :attr:`symmem.engine.Estimate.at_one`, not a choice)
     batch_one: bool = field(default=False, repr=False)
@@ -80,7 +87,12 @@ class Policy:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError("accumulate", k, "a whole number of micro-batches >= 1",
                               "1 means no gradient accumulation.")
-        object.__setattr__(self, "quantize_skip", parse_skip(self.quantize_skip) or None)
+        for f in ("quantize_skip", "keep_fp32"):
+            object.__setattr__(self, f, parse_regions(getattr(self, f), f) or None)
+        if self.keep_fp32 and not self.prec.autocast:
+            raise ConfigError("precision with --keep-fp32", self.precision, "bf16-mixed or fp16-mixed",
+                              "Modules are kept in float32 by leaving them out of torch.autocast; a model "
+                              "cast whole to one dtype has no float32 weights to run them in.")
         if self.prec.fp8:
             self._check_fp8()
         if self.quantize != "none":
@@ -168,6 +180,8 @@ class Policy:
             out += f"; {self.quantize} ({self.quant.description})"
             if self.quantize_skip:
                 out += f", except {', '.join(self.quantize_skip)}"
+        if self.keep_fp32:
+            out += f"; {', '.join(self.keep_fp32)} kept in float32 (autocast off)"
         return out
 
 
@@ -204,5 +218,8 @@ PARTS = (
          "frozen linear weights stored quantized by bitsandbytes (with --lora: QLoRA is int4)"),
     Part("quantize_skip", "--quantize-skip", None, "NAMES",
          "layers --quantize keeps in the model's dtype: module names (c_proj) and first:N, last:N"),
+    Part("keep_fp32", "--keep-fp32", None, "NAMES",
+         "modules run in float32 with autocast off (bf16-mixed, fp16-mixed): module names (lm_head, attn) "
+         "and first:N, last:N"),
     Part("parallel", "--parallel", PARALLEL, "NAME", "the parallel layout"),
 )

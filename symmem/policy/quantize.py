@@ -17,9 +17,9 @@ pass is :mod:`symmem.passes.quantize`; the layers' rules are in :mod:`symmem.rul
   float32 offset (4 B) (bitsandbytes/functional.py, ``quantize_4bit``, ``quantize_blockwise``).
 
 Some layers can stay in the model's dtype (the seed's "fp32 for key layers, int4 elsewhere";
-transformers' ``llm_int8_skip_modules``): ``quantize_skip`` names modules (``c_proj``: every
-linear layer whose module name ends so) and layer ranges (``first:N``, ``last:N``: the first
-or last N layers of the repeated block), comma-separated.
+transformers' ``llm_int8_skip_modules``): ``quantize_skip`` names modules (``c_proj``, ``attn``:
+every linear layer in the module) and layer ranges (``first:N``, ``last:N``: the first or last
+N layers of the repeated block), comma-separated, as :mod:`symmem.policy.regions` reads them.
 
 The layer computes in the dtype its input arrives in (bitsandbytes' ``compute_dtype`` left
 at the input's dtype, as a model loaded in that dtype runs): a pure precision (``fp32``,
@@ -34,10 +34,9 @@ from typing import Callable
 
 import sympy as sp
 
-from ..errors import ConfigError
 from .registry import Registry
 
-__all__ = ["Quantization", "QUANTIZE", "INT4_BLOCK", "int4_bytes", "int8_bytes", "parse_skip"]
+__all__ = ["Quantization", "QUANTIZE", "INT4_BLOCK", "int4_bytes", "int8_bytes"]
 
 #: NF4's block: one absmax per 64 weights; the nested block: one float32 per 256 absmax
 INT4_BLOCK, NESTED_BLOCK = 64, 256
@@ -76,25 +75,3 @@ for _q in (Quantization("none", "weights in the precision's dtype"),
                         "per weight with its scales, frozen; every linear layer but the output head",
                         int4_bytes, "linear_int4")):
     QUANTIZE.register(_q)
-
-
-_SKIP_ACCEPTED = "module names (c_proj, attn.c_attn) and first:N or last:N, comma-separated"
-
-
-def parse_skip(value) -> tuple:
-    """``"c_proj,last:2"`` (or a tuple of such entries) -> ``("c_proj", "last:2")``, checked:
-    a layer range takes a whole number of layers >= 1."""
-    if value is None:
-        return ()
-    items = value.split(",") if isinstance(value, str) else list(value)
-    out = []
-    for item in (str(i).strip() for i in items):
-        if not item or " " in item:
-            raise ConfigError("quantize_skip", value, _SKIP_ACCEPTED)
-        if ":" in item:
-            kind, _, n = item.partition(":")
-            if kind not in ("first", "last") or not n.isdigit() or int(n) < 1:
-                raise ConfigError("quantize_skip", item, "first:N or last:N with N >= 1 layers",
-                                  f"Accepted: {_SKIP_ACCEPTED}.")
-        out.append(item)
-    return tuple(dict.fromkeys(out))

@@ -31,7 +31,7 @@ Layout (module -> rules):
   from PyTorch's ``autocast_mode.cpp`` / ``autocast_mode.h``; rules ask
   :meth:`Ctx.autocast_dtype` instead of branching on the device;
 - ``views``: input, carry, split, heads, merge_heads;
-- ``elementwise``: add, scale, dropout, gelu, gelu_new, relu, clone, to_compute, to_param_dtype,
+- ``elementwise``: add, scale, dropout, gelu, gelu_new, relu, clone, type_as, to_compute, to_param_dtype,
   to_float32;
 - ``normalization``: layer_norm, softmax, log_softmax;
 - ``linalg``: linear, matmul;
@@ -55,7 +55,8 @@ from .core import (BOOL, F32, F64, I64, RULES, Ctx, DType, Footprint, NodeLike, 
 # the kind modules register their rules on import
 from .attention import attention_rule, sdpa_causal_mask_rule, sdpa_kernel_rule
 from .elementwise import (add_rule, clone_rule, dropout_rule, gelu_new_rule, gelu_rule, relu_rule,
-                          scale_rule, to_compute_rule, to_float32_rule, to_param_dtype_rule)
+                          scale_rule, to_compute_rule, to_float32_rule, to_param_dtype_rule,
+                          type_as_rule)
 from .embeddings import causal_mask_rule, embedding_rule, position_embedding_rule, positions_rule
 from .fp8 import linear_fp8_rule
 from .linalg import linear_rule, matmul_rule

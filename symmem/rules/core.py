@@ -7,7 +7,7 @@ This module does not import :mod:`symmem.graph`: a rule reads a node only throug
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Protocol
 
 import sympy as sp
@@ -72,6 +72,11 @@ class Ctx:
         def name(d):
             return self.act_name if d == self.act else d.name
         return name(x) == name(y)
+
+    def float32(self) -> "Ctx":
+        """The context of a module run under ``torch.autocast(enabled=False)`` in a
+        mixed-precision model: autocast off, computing in float32 (its weights' dtype)."""
+        return replace(self, autocast=False, act=F32, act_name="float32")
 
     @property
     def param_dtype(self) -> DType:

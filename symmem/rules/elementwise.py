@@ -11,7 +11,7 @@ from ..errors import ShapeError
 from .core import BOOL, F32, F64, Footprint, Saved, TensorInfo, _grads, _promote, rule
 
 __all__ = ["add_rule", "scale_rule", "dropout_rule", "gelu_rule", "gelu_new_rule", "relu_rule",
-           "clone_rule", "to_compute_rule", "to_param_dtype_rule", "to_float32_rule"]
+           "clone_rule", "type_as_rule", "to_compute_rule", "to_param_dtype_rule", "to_float32_rule"]
 
 
 def _broadcast(node, x: tuple, y: tuple) -> tuple:
@@ -127,6 +127,17 @@ def to_compute_rule(node, ins, ctx):
     if ctx.same(x.dtype, ctx.act):
         return Footprint(x, alias=0, grads=_grads(ins, "pass"))
     return Footprint(TensorInfo(x.shape, ctx.act, x.contiguous, x.requires_grad), grads=_grads(ins))
+
+
+@rule("type_as")
+def type_as_rule(node, ins, ctx):
+    """``x.type(y.dtype)``: a copy of x into y's dtype (in x's layout), or x itself when it
+    has it. y is read for its dtype only: it gets no gradient from here. (Eager attention's
+    ``attn_weights.type(value.dtype)``: bfloat16 under autocast, float32 where the value is.)"""
+    x, y = ins[:2]
+    if ctx.same(x.dtype, y.dtype):
+        return Footprint(x, alias=0, grads=(_grads(ins[:1], "pass") + (None,)))
+    return Footprint(TensorInfo(x.shape, y.dtype, x.contiguous, x.requires_grad), grads=_grads(ins[:1]) + (None,))
 
 
 @rule("clone")
