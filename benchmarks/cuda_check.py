@@ -15,7 +15,7 @@ Adam's step counters on the host, foreach optimizers, Python numbers saved on th
 and SDPA's CUDA kernels (flash, mem-efficient, cuDNN: the one PyTorch picks on this GPU is
 found by a probe and named to symmem, which prints it), bitsandbytes' 8-bit Adam (one
 in-place kernel per tensor) and, where bitsandbytes and peft are installed, QLoRA (NF4
-layers under peft's adapters, the dispatch tracker's peak beside symmem's: a difference is
+layers under peft's adapters) and LLM.int8() layers (MatMul8bitLt) under them, the dispatch tracker's peak beside symmem's: a difference is
 what bitsandbytes' custom ops allocate inside, which max_alloc shows).
 Exit status 1 when a difference is not zero.
 """
@@ -59,9 +59,11 @@ CASES = [  # point, precision, optimizer, implementation, recompute, accumulate[
     (1, "fp32", "sgd", "auto", "full", 3),
     (1, "bf16-mixed", "adam8bit", "for-loop", "none", 1, "sdpa"),   # bitsandbytes' in-place CUDA kernel
 ]
-#: QLoRA (bitsandbytes' NF4 layers, peft's adapters; bf16 model): point, rank, targets; 2048
-#: tokens, above the 1536 rows below which bitsandbytes may pick its fused CUDA kernel
-QLORA = [(3, 8, ("c_attn", "c_proj", "c_fc")), (3, 16, ("c_attn",))]
+#: QLoRA (bitsandbytes' NF4 layers, peft's adapters; bf16 model): point, rank, targets, format;
+#: 2048 tokens, above the 1536 rows below which bitsandbytes may pick its fused CUDA kernel.
+#: int8 is LLM.int8() (MatMul8bitLt, threshold 6: random weights make no outlier column).
+QLORA = [(3, 8, ("c_attn", "c_proj", "c_fc"), "int4"), (3, 16, ("c_attn",), "int4"),
+         (3, 8, ("c_attn", "c_proj", "c_fc"), "int8")]
 
 
 from transformers.models.gpt2 import modeling_gpt2  # noqa: E402
@@ -140,10 +142,11 @@ def run(case):
     return ev, cuda_saved, report, "+".join(est.kernels)
 
 
-def qlora_model(point, rank, targets):
+def qlora_model(point, rank, targets, fmt="int4"):
     """GPT-2 in bfloat16, its block projections bitsandbytes' Linear4bit (NF4, double
-    quantization, Conv1D's weight transposed as transformers quantizes one), peft's adapters on
-    ``targets``; with the quantization state's tensors, which are not parameters."""
+    quantization, Conv1D's weight transposed as transformers quantizes one) or Linear8bitLt
+    (``fmt`` int8), peft's adapters on ``targets``; with the quantization state's tensors,
+    which are not parameters."""
     import bitsandbytes as bnb
     import peft
     b, s, h, a, L, V, P, act = point
@@ -154,6 +157,14 @@ def qlora_model(point, rank, targets):
         for part, name in (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj")):
             conv = getattr(getattr(block, part), name)
             w = conv.weight.detach().t().contiguous()
+            if fmt == "int8":
+                lin = bnb.nn.Linear8bitLt(w.shape[1], w.shape[0], bias=True, has_fp16_weights=False,
+                                          threshold=6.0)
+                lin.weight = bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False).cuda()
+                lin.bias = torch.nn.Parameter(conv.bias.detach().clone())
+                setattr(getattr(block, part), name, lin)
+                states.append(lin.weight.SCB)
+                continue
             lin = bnb.nn.Linear4bit(w.shape[1], w.shape[0], bias=True, compute_dtype=torch.bfloat16,
                                     compress_statistics=True, quant_type="nf4")
             lin.weight = bnb.nn.Params4bit(w.cpu(), requires_grad=False, blocksize=64, compress_statistics=True,
@@ -162,7 +173,8 @@ def qlora_model(point, rank, targets):
             setattr(getattr(block, part), name, lin)
             qs = lin.weight.quant_state
             states += [qs.absmax, qs.code, qs.offset, qs.state2.absmax, qs.state2.code]
-    model.is_loaded_in_4bit = True
+    model.is_loaded_in_4bit = fmt == "int4"
+    model.is_loaded_in_8bit = fmt == "int8"
     config = peft.LoraConfig(r=rank, lora_alpha=16, target_modules=list(targets), lora_dropout=0.0)
     return cfg, peft.get_peft_model(model, config), states
 
@@ -177,14 +189,14 @@ def run_qlora(case):
     class Gemm4bit:
         default = staticmethod(cuda_ops._dequant_linear_fallback)
     torch.ops.bitsandbytes.gemm_4bit = Gemm4bit
-    i, rank, targets = case
+    i, rank, targets, fmt = case
     point = POINTS[i]
     b, s, h, a, L, V, P, act = point
-    cfg, model, states = qlora_model(point, rank, targets)
+    cfg, model, states = qlora_model(point, rank, targets, fmt)
     graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": "sdpa"})
     kernel = sdpa_backend(point, torch.bfloat16)
     est = sm.estimate(graph, sm.Policy("bf16", "adamw", "cuda", "foreach", attention=kernel, lora=rank,
-                                       lora_targets=",".join(targets), quantize="int4"))
+                                       lora_targets=",".join(targets), quantize=fmt))
     ev = est.at(b=b, s=s)
     ids = torch.randint(0, V, (b, s), device="cuda")
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -216,7 +228,7 @@ def main() -> int:
         print("QLoRA cases skipped: pip install bitsandbytes peft")
     else:
         for case in QLORA:
-            name = f"P{case[0]} bf16 QLoRA int4 r={case[1]} {'+'.join(case[2])}"
+            name = f"P{case[0]} bf16 LoRA {case[3]} r={case[1]} {'+'.join(case[2])}"
             try:
                 ev, report, kernels = run_qlora(case)
             except Exception:

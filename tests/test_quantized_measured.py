@@ -203,6 +203,46 @@ def test_int8_layout_against_bitsandbytes(shape):
     assert int8_bytes(sp.Integer(300), sp.Integer(100)) == 31200
 
 
+@pytest.mark.parametrize("n_in,n_out,dtype,fwd,bwd", [
+    # N = 8*512 = 4096 rows, bfloat16, 1024 -> 3072 (a QKV projection). Quantizing: A.to(float16)
+    # 2*4096*1024 = 8,388,608, row scales 4*4096 = 16,384, int8 rows 4,194,304, A.abs() 8,388,608,
+    # the outlier mask 4,194,304: 25,182,208, less the output (4096*3072*2 = 25,165,824) that does
+    # not exist yet: 16,384. The product beside the output: int8 rows 4,194,304 + scales 16,384 +
+    # int32 4*4096*3072 = 50,331,648 + float16 2*4096*3072 = 25,165,824: 79,708,160, the larger.
+    # Backward: the weight dequantized to bfloat16, 3072*1024*2 = 6,291,456.
+    (1024, 3072, "bfloat16", 79_708_160, 6_291_456),
+    # 4096 -> 1024 (an MLP's down projection): quantizing 33,554,432 + 16,384 + 16,777,216 +
+    # 33,554,432 + 16,777,216 = 100,679,680, less the output 4096*1024*2 = 8,388,608: 92,291,072;
+    # the product 16,777,216 + 16,384 + 16,777,216 + 8,388,608 = 41,959,424. Quantizing is larger.
+    (4096, 1024, "bfloat16", 92_291_072, 8_388_608),
+    # the same in float16: no copy to float16, none back: 67,125,248 - 8,388,608 = 58,736,640
+    # against 16,777,216 + 16,384 + 16,777,216 = 33,570,816
+    (4096, 1024, "float16", 58_736_640, 8_388_608),
+])
+def test_int8_on_cuda_arithmetic(n_in, n_out, dtype, fwd, bwd):
+    """LLM.int8() on CUDA (``MatMul8bitLt``, read from bitsandbytes 0.50.2's sources: no GPU
+    runs here): the scratch of one frozen layer, x (8, 512, in) requiring grad; no outlier
+    columns (k = 0)."""
+    from symmem.rules import Ctx, DType, TensorInfo, get_rule
+    from symmem.symbols import B_a
+    g = sm.Graph("one int8 linear")
+    x = g.input("x", (8, 512, n_in), dtype=dtype, requires_grad=True)
+    g.add("linear_int8", x, params=(g.param("weight", (n_out, n_in), trainable=False),), name="fc")
+    node = g.items[-1]
+    act = DType("compute", B_a, 2)
+    ctx = Ctx(autocast=False, device="cuda", act=act, act_name=dtype)
+    fp = get_rule("linear_int8")(node, [TensorInfo((8, 512, n_in), act, requires_grad=True)], ctx)
+    assert (fp.fwd_temp.subs(B_a, 2), fp.bwd_temp.subs(B_a, 2)) == (fwd, bwd)
+    assert [sv.ref for sv in fp.saved] == ["in0"]           # ctx keeps the input, no copy
+
+
+def test_int8_on_cuda_needs_four_divided_features():
+    """cuBLASLt's int8 product takes in % 4 == 0 (bitsandbytes falls back to float32 otherwise):
+    a requirement of the formula; GPT-2's h and 4h are multiples of 4 once h is."""
+    est = sm.estimate("gpt2", sm.Policy("bf16", "adamw", quantize="int8", lora=8))
+    assert [(r.lhs, r.rhs) for r in est.requirements if "cuBLASLt" in r.reason] == [(4, sm.symbols.h)]
+
+
 def test_the_output_head_stays_unquantized():
     """transformers keeps lm_head (tied to wte) in the model's dtype: only the blocks' 4·L
     projections are 4-bit, each with its 1092 bytes of per-layer constants."""
@@ -234,8 +274,6 @@ def test_qlora_on_a_24_gb_card_is_one_command(capsys):
     ({"quantize": "int4", "lora": 8, "precision": "bf16-mixed"},
      "precision with --quantize = 'bf16-mixed' is not valid: expected fp32, bf16 or fp16"),
     ({"quantize": "int4", "lora": 8, "precision": "bf16-master"}, "expected fp32, bf16 or fp16"),
-    ({"quantize": "int8", "lora": 8, "precision": "bf16"},
-     "quantize on cuda = 'int8' is not valid: expected int4 (or int8 with --device cpu)"),
     ({"quantize": "int3", "lora": 8}, "unknown quantization 'int3'"),
     ({"quantize_skip": "c_proj"}, "quantize_skip = 'c_proj' is not valid: expected layers to keep out of "
                                   "--quantize"),

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import sympy as sp
+
 from ..errors import ConfigError
 from ..graph import Graph
 from ..policy.quantize import INT4_BLOCK
@@ -51,9 +53,16 @@ def prepare(graph: Graph, policy) -> Graph:
             attrs += (("block", INT4_BLOCK),)
         sub.items.append(replace(node, op=q.op, params=(weight,) + node.params[1:], attrs=attrs))
         sub._params[w.name] = weight
+        widths.append(shape[1])
         return True
 
-    return graph.rewritten(rewrite)
+    widths = []
+    out = graph.rewritten(rewrite)
+    if q.name == "int8" and policy.device == "cuda":
+        for width in dict.fromkeys(w for w in widths if not (sp.sympify(w) / 4).is_integer):
+            out.require(4, width, "LLM.int8()'s cuBLASLt int8 product takes a multiple of 4 input features "
+                                  "(bitsandbytes multiplies in float32 otherwise)", kind="divides")
+    return out
 
 
 def apply(plan, graph, policy):

@@ -115,7 +115,7 @@ class Policy:
 
     def _check_quantize(self):
         """What bitsandbytes' layers are modelled with: LoRA adapters on a model loaded in one
-        dtype (the layers compute in it), and int8 on the CPU only."""
+        dtype (the layers compute in it)."""
         q = self.quantize
         if self.lora is None:
             raise ConfigError("quantize", q, "a quantized model with LoRA adapters (--lora R)",
@@ -126,10 +126,6 @@ class Policy:
                               "Load the model in one dtype and compute the quantized layers in it, as "
                               "QLoRA does (torch_dtype and bnb_4bit_compute_dtype bfloat16): --precision "
                               "bf16. Autocast over quantized layers is not modelled.")
-        if q == "int8" and self.device != "cpu":
-            raise ConfigError("quantize on cuda", q, "int4 (or int8 with --device cpu)",
-                              "On CUDA LLM.int8() runs MatMul8bitLt, whose int8 kernels and "
-                              "data-dependent outlier columns symmem does not model yet.")
 
     @property
     def prec(self) -> Precision:

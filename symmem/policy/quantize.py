@@ -21,6 +21,10 @@ transformers' ``llm_int8_skip_modules``): ``quantize_skip`` names modules (``c_p
 every linear layer in the module) and layer ranges (``first:N``, ``last:N``: the first or last
 N layers of the repeated block), comma-separated, as :mod:`symmem.policy.regions` reads them.
 
+On CUDA int8 runs ``MatMul8bitLt`` (int8 products of the quantized input and weight), on the
+CPU ``MatMul8bitFp`` (the weight dequantized): :func:`symmem.rules.quantized.linear_int8_rule`
+has both.
+
 The layer computes in the dtype its input arrives in (bitsandbytes' ``compute_dtype`` left
 at the input's dtype, as a model loaded in that dtype runs): a pure precision (``fp32``,
 ``bf16``, ``fp16``). Autocast or master weights over a quantized model are refused; float32

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ShapeError
-from .core import Footprint, Saved, TensorInfo, _grads, rule
+from .core import DType, Footprint, Saved, TensorInfo, _grads, rule
 
 __all__ = ["linear_int4_rule", "linear_int8_rule"]
 
@@ -48,22 +48,49 @@ def linear_int4_rule(node, ins, ctx):
     return Footprint(out, fwd_temp=scales + weight, grads=_grads(ins), bwd_temp=weight if x.requires_grad else 0)
 
 
+#: a float16 tensor's dtype, as rules compare dtypes (by name: Ctx.same)
+_F16 = DType("float16", sp.Integer(2), 2)
+
+
 @rule("linear_int8")
 def linear_int8_rule(node, ins, ctx):
-    """``bnb.nn.Linear8bitLt`` (``has_fp16_weights=False``) in training. ``ctx.A = A``: where the
-    input requires grad (else autograd records no node) it stays alive as long as the autograd
-    graph, through backward and, while the training loop holds the loss, the optimizer step (a
-    ``ctx`` attribute: not released after the node's backward, unseen by checkpoints). On the
-    CPU, ``MatMul8bitFp`` (bitsandbytes/autograd/_functions.py):
-    ``CB.to(A.dtype).mul_(SCB.unsqueeze(1).mul(1/127))``, the weight dequantized (n elements in
-    x's dtype; its 4*out-byte scale is gone before the output is made), then ``F.linear``;
-    backward the same copy (``CB.to(dtype, copy=True)``) beside the input's gradient. On CUDA
-    ``MatMul8bitLt``, whose int8 kernels and outlier columns (inputs above ``threshold``,
-    data-dependent) are not modelled: the policy refuses int8 there."""
+    """``bnb.nn.Linear8bitLt`` (``has_fp16_weights=False``, transformers' ``llm_int8_threshold``
+    6.0) in training. Where the input requires grad (else autograd records no node) ``ctx``
+    keeps it (CPU: ``ctx.A``; CUDA: ``ctx.tensors = (None, subA, A)``, A its (N, in) view) as long
+    as the autograd graph, through backward and, while the training loop holds the loss, the
+    optimizer step (a ``ctx`` attribute: not released after the node's backward, unseen by
+    checkpoints). N = b*s rows of in features, out outputs, n = out*in weights, D bytes per
+    element of x (bitsandbytes/autograd/_functions.py, backends/cuda/ops.py, backends/default/ops.py).
+
+    - CPU, ``MatMul8bitFp``: ``CB.to(A.dtype).mul_(SCB.unsqueeze(1).mul(1/127))``, the weight
+      dequantized (n*D; its 4*out-byte scale is gone before the output is made), then
+      ``F.linear``; backward the same copy (``CB.to(dtype, copy=True)``) beside the input's
+      gradient.
+    - CUDA, ``MatMul8bitLt``: ``int8_vectorwise_quant(A.to(float16), threshold)`` makes the
+      float16 copy (2*N*in, none for a float16 input), the row scales (4N) and the int8 rows
+      (N*in), and to find the outlier columns ``A.abs() >= threshold`` (2*N*in, then a bool
+      N*in): h16 + 4N + 4*N*in at once, before the output exists. Then ``int8_mixed_scaled_mm``:
+      the int32 product (4*N*out, cuBLASLt), dequantized to float16 (2*N*out) and cast to D (the
+      output, N*out*D; no copy in float16), beside the int8 rows and scales: N*in + 4N + 4*N*out
+      (+ 2*N*out) beside the output. ``fwd_temp`` is the larger of the two, seen from the moment
+      the output exists. Backward: ``CB.to(D, copy=True).mul_(...)`` (n*D) beside the input's
+      gradient. Outlier columns (k of them, data-dependent; none in a model without activations
+      above 6) would add ``subA = A[:, idx]`` (N*k*D) to what ``ctx`` keeps and a dequantized
+      out*k slice of the weight: not counted (k = 0). cuBLASLt needs in % 4 == 0 (a requirement;
+      bitsandbytes otherwise multiplies in float32)."""
     x = ins[0]
     w = node.params[0]
     out = _shapes(node, x)
-    scratch = w.numel * x.dtype.nbytes
+    weight = w.numel * x.dtype.nbytes
     saved = (Saved("input (ctx.A)", "in0", hooked=False, graph=True),) if x.requires_grad else ()
-    return Footprint(out, saved=saved, fwd_temp=scratch,
-                     grads=_grads(ins), bwd_temp=scratch if x.requires_grad else 0)
+    if ctx.device == "cuda":
+        rows = x.numel / x.shape[-1]
+        half = not ctx.same(x.dtype, _F16)               # A.to(float16) copies, the output is cast back
+        out_elems = out.numel
+        quant = (2 * x.numel if half else 0) + 4 * rows + 4 * x.numel
+        product = x.numel + 4 * rows + 4 * out_elems + (2 * out_elems if half else 0)
+        scratch = sp.Max(sp.expand(quant - out_elems * x.dtype.nbytes), sp.expand(product))
+        return Footprint(out, saved=saved, fwd_temp=scratch, grads=_grads(ins),
+                         bwd_temp=weight if x.requires_grad else 0)
+    return Footprint(out, saved=saved, fwd_temp=weight,
+                     grads=_grads(ins), bwd_temp=weight if x.requires_grad else 0)
