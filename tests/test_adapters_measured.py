@@ -36,7 +36,7 @@ CASES = [  # point, attention, precision, rank, targets, optimizer
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def lora_model(point, attention, rank, targets, precision="fp32"):
+def lora_model(point, attention, rank, targets, precision="fp32", upcast=True):
     b, s, h, a, L, V, P, act = point
     cfg, model = hf_model(h, a, L, V, P, act)
     if precision in HALF:
@@ -46,7 +46,7 @@ def lora_model(point, attention, rank, targets, precision="fp32"):
         model.config._attn_implementation = attention
     config = peft.LoraConfig(r=rank, lora_alpha=16, target_modules=list(targets), lora_dropout=0.0,
                              fan_in_fan_out=True)
-    return cfg, peft.get_peft_model(model, config)
+    return cfg, peft.get_peft_model(model, config, autocast_adapter_dtype=upcast)
 
 
 @pytest.mark.parametrize("point,attention,precision,rank,targets,opt", CASES,
@@ -62,6 +62,31 @@ def test_lora_exact(point, attention, precision, rank, targets, opt):
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert ev.bytes["params"] == param_bytes(model)
     fwd = loss_fn(model, ids, precision) if precision not in HALF else (lambda: model(ids, labels=ids).loss)
+    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", trainable), extra=(ids,))
+    assert_step_exact(est, report, b, s)
+
+
+MODEL_DTYPE = [(POINTS[0], "eager", "bf16", 4, ("c_attn", "c_fc"), "adamw"),
+               (POINTS[1], "sdpa", "fp16", 8, ("c_attn",), "sgd-momentum")]
+
+
+@pytest.mark.parametrize("point,attention,precision,rank,targets,opt", MODEL_DTYPE,
+                         ids=[f"{at}-{pr}-r{r}-{'+'.join(t)}-{o}" for p, at, pr, r, t, o in MODEL_DTYPE])
+def test_lora_in_the_models_dtype_exact(point, attention, precision, rank, targets, opt):
+    """``get_peft_model(..., autocast_adapter_dtype=False)`` leaves the adapters in the model's
+    half dtype (``lora_dtype="model"``): their weights, gradients and states in 2 bytes, no
+    float32 copy of the input, no cast of their sum back."""
+    b, s, h, a, L, V, P, act = point
+    cfg, model = lora_model(point, attention, rank, targets, precision, upcast=False)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {HALF[precision]}
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", lora=rank, lora_targets=",".join(targets),
+                                               lora_dtype="model"))
+    ev = est.at(b=b, s=s)
+    ids = torch.randint(0, V, (b, s))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert ev.bytes["params"] == param_bytes(model)
+    fwd = lambda: model(ids, labels=ids).loss  # noqa: E731
     assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
     report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", trainable), extra=(ids,))
     assert_step_exact(est, report, b, s)
@@ -105,8 +130,10 @@ def test_lora_on_a_24_gb_card_is_one_command(capsys):
     ({"lora": 8, "lora_targets": "q_proj"}, "lora_targets = 'q_proj' is not valid: expected a linear layer of "
                                             "'gpt2': one of c_attn, c_proj, c_fc, lm_head."),
     ({"lora": 8, "lora_targets": ""}, "lora_targets = '' is not valid"),
+    ({"lora_dtype": "model"}, "lora_dtype = 'model' is not valid: expected adapters to place (--lora R)"),
+    ({"lora": 8, "lora_dtype": "bf16"}, "unknown LoRA adapter dtype 'bf16'"),
 ])
 def test_bad_lora_input_is_refused(kwargs, words):
-    with pytest.raises(sm.errors.ConfigError) as e:
+    with pytest.raises(sm.errors.SymmemError) as e:
         sm.estimate("gpt2", sm.Policy(**kwargs))
     assert words in str(e.value)

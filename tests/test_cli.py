@@ -77,7 +77,7 @@ def test_json_shape(capsys):
                            "precision": "fp32", "optimizer": "adamw", "device": "cuda",
                            "implementation": "auto", "recompute": "none", "accumulate": 1,
                            "attention": "sdpa", "parallel": "none", "implementation_resolved": "foreach",
-                           "lora": None, "lora_targets": None, "quantize": "none", "quantize_skip": None, "keep_fp32": None,
+                           "lora": None, "lora_targets": None, "lora_dtype": "float32", "quantize": "none", "quantize_skip": None, "keep_fp32": None,
                            "attention_kernels": ["mem-efficient"]}     # auto: transformers' default, on CUDA in fp32
     assert set(j["bytes"]) == {*COMPONENTS, "peak"}
     assert set(j["peak_breakdown"]) == set(ROLES)

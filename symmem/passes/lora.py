@@ -36,6 +36,7 @@ from dataclasses import replace
 
 from ..errors import ConfigError
 from ..graph import Graph
+from ..policy.adapters import LORA_DTYPES
 
 __all__ = ["prepare", "apply", "linear_modules", "module_of", "LINEAR"]
 
@@ -76,7 +77,8 @@ def prepare(graph: Graph, policy) -> Graph:
                               "Name the projections to adapt, e.g. --lora-targets c_attn,c_proj.")
     frozen = graph.with_params(lambda p: replace(p, trainable=False))
     prec = policy.prec
-    upcast = not prec.autocast and prec.compute != "float32"     # float32 adapters, a half model
+    # float32 adapters on a half model (peft's autocast_adapter_dtype=True), unless kept in its dtype
+    upcast = not prec.autocast and prec.compute != "float32" and LORA_DTYPES[policy.lora_dtype].upcast
     adapter = "float32" if upcast else None
 
     def rewrite(node, sub: Graph) -> bool:

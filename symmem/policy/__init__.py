@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
 from ..rules import Ctx
-from .adapters import LoRA
+from .adapters import LORA_DTYPES, LoRA
 from .attention import ATTENTION
 from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
@@ -43,7 +43,7 @@ from .slots import DEVICES, PARALLEL
 
 __all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "LoRA", "Registry",
            "Quantization", "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION",
-           "QUANTIZE", "PARALLEL"]
+           "QUANTIZE", "PARALLEL", "LORA_DTYPES"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ class Policy:
     ``b`` whose gradients are summed before each optimizer step. ``attention="auto"`` is the
     model's own kernel, else ``sdpa``. ``lora`` is a rank (or ``"r"``, or a :class:`LoRA`)
     for adapters on ``lora_targets`` (comma-separated module names; None: peft's default),
-    every other weight frozen; ``"none"`` for none. ``quantize``: ``"int4"`` (QLoRA's NF4) or
+    every other weight frozen, in float32 on a half-precision model (``lora_dtype="model"``: in
+    its dtype); ``"none"`` for none. ``quantize``: ``"int4"`` (QLoRA's NF4) or
     ``"int8"`` stores the frozen linear weights so (with ``lora``, in a pure precision) but
     those ``quantize_skip`` names (modules, ``first:N``, ``last:N``). ``keep_fp32`` names
     modules and layer ranges run with autocast off, in float32 (with ``bf16-mixed`` or
@@ -68,6 +69,7 @@ class Policy:
     attention: str = "auto"
     lora: LoRA | int | str | None = "none"
     lora_targets: tuple | str | None = None
+    lora_dtype: str = "float32"
     quantize: str = "none"
     quantize_skip: tuple | str | None = None
     keep_fp32: tuple | str | None = None
@@ -83,6 +85,9 @@ class Policy:
         lora = LoRA.parse(self.lora, self.lora_targets)
         object.__setattr__(self, "lora", lora)
         object.__setattr__(self, "lora_targets", lora.targets if lora else None)
+        if lora is None and self.lora_dtype != "float32":
+            raise ConfigError("lora_dtype", self.lora_dtype, "adapters to place (--lora R)",
+                              "Give --lora too, or leave --lora-dtype out.")
         k = self.accumulate
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError("accumulate", k, "a whole number of micro-batches >= 1",
@@ -210,6 +215,8 @@ PARTS = (
          "LoRA adapters of rank R (r: the rank as a symbol) on --lora-targets, every other weight frozen"),
     Part("lora_targets", "--lora-targets", None, "NAMES",
          "the projections LoRA adapts, comma-separated (None: peft's default for the model, c_attn)"),
+    Part("lora_dtype", "--lora-dtype", LORA_DTYPES, "NAME",
+         "the adapters' dtype on a bf16/fp16 model: float32 (peft's default) or the model's"),
     Part("quantize", "--quantize", QUANTIZE, "NAME",
          "frozen linear weights stored quantized by bitsandbytes (with --lora: QLoRA is int4)"),
     Part("quantize_skip", "--quantize-skip", None, "NAMES",

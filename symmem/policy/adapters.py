@@ -9,7 +9,9 @@ rank is a number or the symbol ``r``, which then stays in the formulas. The pass
 applies it is :mod:`symmem.passes.lora`.
 
 ``peft``'s defaults: ``target_modules`` from its table per model type (GPT-2: ``c_attn``),
-``lora_dropout`` 0.0.
+``lora_dropout`` 0.0, and adapters in float32 on a half-precision model (``get_peft_model``'s
+``autocast_adapter_dtype=True``); :data:`LORA_DTYPES` names the other choice, adapters in the
+model's dtype (``autocast_adapter_dtype=False``: QLoRA's "bf16 adapters").
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import sympy as sp
 
 from ..errors import ConfigError
 from ..symbols import r
+from .registry import Registry
 
-__all__ = ["LoRA", "DEFAULT_TARGETS"]
+__all__ = ["LoRA", "DEFAULT_TARGETS", "LORA_DTYPES", "AdapterDType"]
 
 #: peft's default target modules (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``)
 #: for the model families symmem builds.
@@ -71,3 +74,20 @@ class LoRA:
     def __str__(self) -> str:
         return (f"LoRA rank {self.rank} on {', '.join(self.targets)}"
                 + (f", dropout {self.dropout}" if self.dropout else ""))
+
+
+@dataclass(frozen=True)
+class AdapterDType:
+    """Where the adapters' weights live on a half-precision model: ``float32`` (peft's default,
+    ``upcast``) or the model's own dtype. Under autocast or in float32 the two agree."""
+    name: str
+    upcast: bool
+    description: str
+
+
+LORA_DTYPES = Registry("LoRA adapter dtype")
+for _d in (AdapterDType("float32", True, "peft's default (autocast_adapter_dtype=True): on a bf16/fp16 model "
+                                         "the adapters, their gradients and states in float32"),
+           AdapterDType("model", False, "get_peft_model(..., autocast_adapter_dtype=False): the adapters in "
+                                        "the model's dtype")):
+    LORA_DTYPES.register(_d)
