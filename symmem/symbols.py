@@ -18,7 +18,7 @@ from .errors import UnknownName
 
 __all__ = [
     "SymbolInfo", "TABLE", "symbol", "latex_names",
-    "b", "s", "h", "a", "L", "V", "f", "k", "s_max", "r", "G", "g", "t", "d", "M", "R",
+    "b", "s", "h", "a", "L", "V", "f", "k", "d_h", "s_max", "r", "G", "g", "t", "d", "M", "R",
     "B_w", "B_g", "B_m", "B_o", "B_a",
     "DIMENSIONS", "BYTE_SYMBOLS",
 ]
@@ -48,6 +48,7 @@ _INFOS = [
     _dim("V", "V", "vocabulary size"),
     _dim("f", "f", "feed-forward (MLP) width"),
     _dim("k", "k", "key/value heads"),
+    _dim("d_h", "d_{h}", "attention head dimension, where a config sets one other than h/a"),
     _dim("s_max", r"s_{\max}", "maximum positions (rows of the position embedding)"),
     _dim("r", "r", "LoRA adapter rank"),
     _dim("G", "G", "global batch (sequences per optimizer step, per data-parallel rank)"),
@@ -67,12 +68,13 @@ _INFOS = [
 #: name -> SymbolInfo, in a fixed, documented order.
 TABLE: dict[str, SymbolInfo] = {i.symbol.name: i for i in _INFOS}
 
-b, s, h, a, L, V, f, k, s_max, r = (TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "s_max", "r"))
+b, s, h, a, L, V, f, k, d_h, s_max, r = (
+    TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "d_h", "s_max", "r"))
 G, g, t, d = (TABLE[n].symbol for n in ("G", "g", "t", "d"))
 B_w, B_g, B_m, B_o, B_a = (TABLE[n].symbol for n in ("B_w", "B_g", "B_m", "B_o", "B_a"))
 M, R = TABLE["M"].symbol, TABLE["R"].symbol
 
-DIMENSIONS = (b, s, h, a, L, V, f, k, s_max, r, G, g, t, d)
+DIMENSIONS = (b, s, h, a, L, V, f, k, d_h, s_max, r, G, g, t, d)
 BYTE_SYMBOLS = (B_w, B_g, B_m, B_o, B_a)
 
 

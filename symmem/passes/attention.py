@@ -6,8 +6,11 @@ dropout=p, causal=True, weights_until=...)``, whose output is the (b, a, s, d) c
 :func:`prepare` resolves the policy's kernel (:mod:`symmem.policy.attention`: ``sdpa``
 picks its backend per device, dtype and dropout as PyTorch does) and rewrites the node:
 
-- ``eager``: ``matmul(q, k^T)``, ``* scaling`` (a Python number: an 8-byte wrapped scalar
-  on the CPU), ``+ mask``, softmax, the cast to the value's dtype, dropout,
+- ``eager``: k and v repeated to q's heads where the node has ``groups`` > 1 (grouped-query
+  attention, transformers' ``repeat_kv``), ``matmul(q, k^T)``, ``* scaling`` (a Python
+  number: an 8-byte wrapped scalar on the CPU), ``+ mask``, softmax (in float32 with
+  ``softmax_float32``), the cast to the value's dtype (the query's with
+  ``probs_like="query"``: Llama's), dropout,
   ``matmul(probs, v)``; the probabilities are returned and kept by the model until
   ``weights_until`` has run (Hugging Face's blocks hold ``attn_weights``);
 - ``math`` (``_scaled_dot_product_attention_math``): half inputs upcast to float32 (on
@@ -33,7 +36,7 @@ __all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS"]
 
 #: The attention node's own attributes (the others are scope attributes its replacement keeps;
 #: it adds ``attention_kernel``, the kernel that made it).
-OWN_ATTRS = ("dropout", "causal", "weights_until")
+OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32")
 
 
 def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple[str, tuple]:
@@ -109,12 +112,16 @@ def _prefix(node) -> str:
 def _eager(node, g: Graph, ctx) -> None:
     q, k, v, *mask = node.inputs
     pre = _prefix(node)
+    groups = node.attr("groups", 1)
+    if sp.sympify(groups) != 1:        # grouped-query attention: k and v repeated to a heads
+        k = g.add("repeat_kv", k, groups=groups, name=pre + "k_repeated")
+        v = g.add("repeat_kv", v, groups=groups, name=pre + "v_repeated")
     z = g.add("matmul", q, k, transpose_b=True, name=pre + "scores")
     z = g.add("scale", z, name=pre + "scale")
     if mask:
         z = g.add("add", z, mask[0], name=pre + "mask")
-    z = g.add("softmax", z, name=pre + "softmax")
-    z = g.add("type_as", z, v, name=pre + "probs")
+    z = g.add("softmax", z, float32=node.attr("softmax_float32", False), name=pre + "softmax")
+    z = g.add("type_as", z, q if node.attr("probs_like") == "query" else v, name=pre + "probs")
     z = g.add("dropout", z, p=node.attr("dropout", 0.0), name=pre + "attn_dropout")
     g.add("matmul", z, v, name=node.name)
     if node.attr("weights_until"):

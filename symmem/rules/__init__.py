@@ -30,16 +30,16 @@ Layout (module -> rules):
 - ``autocast``: what ``torch.autocast`` does to each aten op, one table per device,
   from PyTorch's ``autocast_mode.cpp`` / ``autocast_mode.h``; rules ask
   :meth:`Ctx.autocast_dtype` instead of branching on the device;
-- ``views``: input, carry, split, heads, merge_heads;
-- ``elementwise``: add, scale, dropout, gelu, gelu_new, relu, clone, type_as, to_compute, to_param_dtype,
-  to_float32;
-- ``normalization``: layer_norm, softmax, log_softmax;
+- ``views``: input, carry, split, heads, repeat_kv, merge_heads;
+- ``elementwise``: add, mul, scale, dropout, gelu, gelu_new, relu, silu, clone, type_as, to_compute,
+  to_param_dtype, to_float32;
+- ``normalization``: layer_norm, rms_norm, softmax, log_softmax;
 - ``linalg``: linear, matmul;
 - ``quantized``: linear_int4, linear_int8 (bitsandbytes' layers with frozen quantized weights);
 - ``fp8``: linear_fp8 (Transformer Engine's FP8 linear layer, CUDA);
 - ``attention``: attention (the node a model writes; the attention pass replaces it),
   sdpa_kernel (flash, mem-efficient, cuDNN), sdpa_causal_mask;
-- ``embeddings``: embedding, positions, position_embedding, causal_mask;
+- ``embeddings``: embedding, positions, position_embedding, rotary, rope, causal_mask;
 - ``losses``: nll_loss.
 
 A new op is a function in the module of its kind (or a new kind module imported
@@ -54,16 +54,17 @@ from .core import (BOOL, F32, F64, I64, RULES, Ctx, DType, Footprint, NodeLike, 
                    TensorInfo, get_rule, infer_shape, rule)
 # the kind modules register their rules on import
 from .attention import attention_rule, sdpa_causal_mask_rule, sdpa_kernel_rule
-from .elementwise import (add_rule, clone_rule, dropout_rule, gelu_new_rule, gelu_rule, relu_rule,
-                          scale_rule, to_compute_rule, to_float32_rule, to_param_dtype_rule,
+from .elementwise import (add_rule, clone_rule, dropout_rule, gelu_new_rule, gelu_rule, mul_rule, relu_rule,
+                          scale_rule, silu_rule, to_compute_rule, to_float32_rule, to_param_dtype_rule,
                           type_as_rule)
-from .embeddings import causal_mask_rule, embedding_rule, position_embedding_rule, positions_rule
+from .embeddings import (causal_mask_rule, embedding_rule, position_embedding_rule, positions_rule, rope_rule,
+                         rotary_rule)
 from .fp8 import linear_fp8_rule
 from .linalg import linear_rule, matmul_rule
 from .losses import nll_loss_rule
-from .normalization import layer_norm_rule, log_softmax_rule, softmax_rule
+from .normalization import layer_norm_rule, log_softmax_rule, rms_norm_rule, softmax_rule
 from .quantized import linear_int4_rule, linear_int8_rule
-from .views import carry_rule, heads_rule, input_rule, merge_heads_rule, split_rule
+from .views import carry_rule, heads_rule, input_rule, merge_heads_rule, repeat_kv_rule, split_rule
 
 __all__ = ["DType", "TensorInfo", "Saved", "Footprint", "Ctx", "NodeLike", "Rule", "rule",
            "get_rule", "RULES", "infer_shape", "F32", "F64", "I64", "BOOL", "AUTOCAST",

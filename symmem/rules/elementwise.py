@@ -10,7 +10,7 @@ import sympy as sp
 from ..errors import ShapeError
 from .core import BOOL, F32, F64, Footprint, Saved, TensorInfo, _grads, _promote, rule
 
-__all__ = ["add_rule", "scale_rule", "dropout_rule", "gelu_rule", "gelu_new_rule", "relu_rule",
+__all__ = ["add_rule", "mul_rule", "silu_rule", "scale_rule", "dropout_rule", "gelu_rule", "gelu_new_rule", "relu_rule",
            "clone_rule", "type_as_rule", "to_compute_rule", "to_param_dtype_rule", "to_float32_rule"]
 
 
@@ -58,6 +58,27 @@ def scale_rule(node, ins, ctx):
     python = node.attr("scalar", "python") == "python"
     saved = (Saved("scalar", "new", sp.Integer(1), F64, hooked=False),) if python and ctx.device == "cpu" else ()
     return Footprint(TensorInfo(x.shape, x.dtype, x.contiguous, x.requires_grad), saved=saved, grads=_grads(ins))
+
+
+@rule("mul")
+def mul_rule(node, ins, ctx):
+    """``x * y`` of two tensors (broadcasting): MulBackward0 saves y where x requires grad and
+    x where y does (no new memory: references to the inputs). Each input's gradient is new
+    (the output's gradient times the other), summed to the input's shape where it broadcast."""
+    x, y = ins
+    shape = _broadcast(node, x.shape, y.shape)
+    saved = tuple(Saved(f"mul {'other' if i == 0 else 'self'}", f"in{1 - i}")
+                  for i, t in enumerate(ins) if t.requires_grad)
+    out = TensorInfo(shape, _promote(x.dtype, y.dtype), True, x.requires_grad or y.requires_grad)
+    return Footprint(out, saved=saved, grads=_grads(ins))
+
+
+@rule("silu")
+def silu_rule(node, ins, ctx):
+    """``F.silu(x)`` (Llama's ``hidden_act``) saves its input (SiluBackward0: self)."""
+    x = ins[0]
+    return Footprint(TensorInfo(x.shape, x.dtype, True, x.requires_grad),
+                     saved=(Saved("silu input", "in0"),), grads=_grads(ins))
 
 
 @rule("dropout")

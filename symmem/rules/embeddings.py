@@ -1,4 +1,5 @@
-"""Embeddings and the causal mask: token and learned position embeddings, Hugging
+"""Embeddings and the causal mask: token and learned position embeddings, rotary
+position embeddings (Llama's cos/sin tables and their application to q and k), Hugging
 Face's additive causal mask. ``aten::embedding`` is on no autocast list, so these
 produce the parameters' dtype (:attr:`symmem.rules.Ctx.param_dtype`: float32 under
 autocast, the model dtype otherwise)."""
@@ -6,9 +7,10 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .core import I64, Footprint, Saved, TensorInfo, rule
+from .core import F32, I64, Footprint, Saved, TensorInfo, _grads, _promote, rule
 
-__all__ = ["embedding_rule", "positions_rule", "position_embedding_rule", "causal_mask_rule"]
+__all__ = ["embedding_rule", "positions_rule", "position_embedding_rule", "causal_mask_rule", "rotary_rule",
+           "rope_rule"]
 
 
 @rule("embedding")
@@ -48,3 +50,40 @@ def causal_mask_rule(node, ins, ctx):
     bb, ss = ids.shape
     return Footprint(TensorInfo((bb, sp.Integer(1), ss, ss), ctx.param_dtype, requires_grad=False),
                      grads=(None,))
+
+
+@rule("rotary")
+def rotary_rule(node, ins, ctx):
+    """Llama's ``LlamaRotaryEmbedding.forward(x, position_ids)``: freqs = ids[..., None].float()
+    * inv_freq, (1, s, d/2) float32; emb = cat(freqs, freqs), (1, s, d); cos = emb.cos() *
+    scaling and sin = emb.sin() * scaling (each a new float32 tensor, the first product freed),
+    returned ``.to(x.dtype)``. One node per returned tensor (``which``: cos, sin), inputs the
+    position ids and x; no gradient. Its temporaries (freqs, emb, the float32 cos and sin,
+    8 + 2 bytes per s*d before the copies) live until it returns: the cos node's scratch is
+    freqs, emb and cos's first product (10 bytes per s*d; a half x adds the float32 cos beside its
+    copy: 14 - 2), the sin node's the same beside the cos returned (10; half: 14, the float32 cos
+    and sin beside both copies). ``dim``: d, the rotated head dimension."""
+    ids, x = ins
+    d = sp.sympify(node.attr("dim"))
+    ss = ids.shape[-1]
+    sd = ss * d
+    half = not ctx.same(x.dtype, F32)
+    temp = (14 if half else 10) * sd - (2 * sd if half and node.attr("which") == "cos" else 0)
+    return Footprint(TensorInfo((sp.Integer(1), ss, d), x.dtype, requires_grad=False), fwd_temp=temp,
+                     grads=(None, None))
+
+
+@rule("rope")
+def rope_rule(node, ins, ctx):
+    """``apply_rotary_pos_emb`` on one of q, k (b, heads, s, d): ``x * cos + rotate_half(x) * sin``
+    with rotate_half = ``cat(-x2, x1)`` of the two halves of the last dimension. MulBackward0
+    saves cos and sin (references: they live for the whole step); x is not saved. Forward
+    makes x*cos, -x2 (freed after the cat), the cat (freed after its product), its product
+    with sin, and their sum: at the sum, two temporaries of the output's size. The output
+    keeps x's layout (the first operand's: a head view stays sequence-major), in x's dtype
+    promoted with the tables' (float32 under autocast, where cos and sin are float32)."""
+    x, cos, sin = ins
+    dt = _promote(x.dtype, cos.dtype)
+    out = TensorInfo(x.shape, dt, x.contiguous, x.requires_grad, seq_major=x.seq_major)
+    saved = (Saved("rope cos", "in1"), Saved("rope sin", "in2")) if x.requires_grad else ()
+    return Footprint(out, saved=saved, fwd_temp=2 * x.numel * dt.nbytes, grads=(_grads(ins[:1]) + (None, None)))

@@ -8,15 +8,17 @@ import sympy as sp
 from ..errors import ShapeError
 from .core import BOOL, F32, F64, I64, DType, Footprint, TensorInfo, _grads, rule
 
-__all__ = ["input_rule", "carry_rule", "split_rule", "heads_rule", "merge_heads_rule"]
+__all__ = ["input_rule", "carry_rule", "split_rule", "heads_rule", "repeat_kv_rule", "merge_heads_rule"]
 
 
 @rule("input")
 def input_rule(node, ins, ctx):
-    """A tensor handed to the model (token ids, labels; no gradient by default)."""
+    """A tensor handed to the model (token ids, labels; no gradient by default), or a buffer of
+    the model: ``dtype="param"`` is the parameters' dtype (a floating buffer that
+    ``model.to(dtype)`` casts with the weights, and autocast leaves in float32)."""
     from ..dtypes import dtype_bytes
     name = node.attr("dtype", "int64")
-    known = {"int64": I64, "float32": F32, "bool": BOOL, "float64": F64}
+    known = {"int64": I64, "float32": F32, "bool": BOOL, "float64": F64, "param": ctx.param_dtype}
     dt = known.get(name) or DType(name, dtype_bytes(name), 2)
     return Footprint(TensorInfo(node.attr("shape"), dt, requires_grad=bool(node.attr("requires_grad"))))
 
@@ -50,6 +52,20 @@ def heads_rule(node, ins, ctx):
     bb, ss, hh = x.shape
     out = TensorInfo((bb, a, ss, hh / a), x.dtype, False, x.requires_grad)
     return Footprint(out, alias=0, grads=_grads(ins, "pass"))
+
+
+@rule("repeat_kv")
+def repeat_kv_rule(node, ins, ctx):
+    """transformers' ``repeat_kv(x, n_rep)`` for grouped-query attention: (b, k, s, d) ->
+    (b, k*n_rep, s, d) by ``x[:, :, None].expand(...).reshape(...)``, a contiguous copy (x
+    itself when n_rep is 1). Saves nothing; backward sums the n_rep copies' gradients into a
+    new gradient of x's size (ExpandBackward)."""
+    x = ins[0]
+    n = sp.sympify(node.attr("groups"))
+    if n == 1:
+        return Footprint(x, alias=0, grads=_grads(ins, "pass"))
+    bb, kk, ss, dd = x.shape
+    return Footprint(TensorInfo((bb, kk * n, ss, dd), x.dtype, True, x.requires_grad), grads=_grads(ins))
 
 
 @rule("merge_heads")

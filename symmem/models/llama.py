@@ -1,0 +1,252 @@
+"""Llama 1, 2 and 3 as Hugging Face's ``LlamaForCausalLM`` runs them: the llama family of the
+model registry.
+
+A decoder layer (``LlamaDecoderLayer``, transformers 5's ``modeling_llama.py``): RMSNorm (its
+float32 upcast, :func:`~symmem.rules.normalization.rms_norm_rule`), separate q, k and v
+projections (``num_key_value_heads`` k of them for k and v: grouped-query attention, k < a;
+multi-query, k = 1), rotary position embeddings on q and k (the cos and sin tables made once
+per forward, :func:`~symmem.rules.embeddings.rotary_rule`, applied by
+:func:`~symmem.rules.embeddings.rope_rule`), the attention core (one ``attention`` node the
+policy's kernel replaces; eager repeats k and v to a heads with ``repeat_kv``), ``o_proj``, a
+residual add, RMSNorm, the SwiGLU MLP ``down(silu(gate(x)) * up(x))`` and a residual add.
+The output head is untied by default (``tie_word_embeddings``).
+
+Every dimension stays a symbol: ``b, s, h, a, L, V``, ``f`` (``intermediate_size``), ``k``
+(``num_key_value_heads``) and, where a config sets a ``head_dim`` other than h/a, ``d_h``.
+
+What a ``config.json`` key does here (checked against transformers 5.24's
+``configuration_llama.py`` and ``modeling_llama.py``; ``tests/test_llama_measured.py``
+measures the model):
+
+* modelled: the fields of :class:`LlamaConfig`;
+* refused unless at the default (:data:`UNMODELLED`): ``hidden_act`` other than silu;
+* ignored (:data:`IGNORED`, each with its reason), among others ``rope_theta``,
+  ``rope_scaling`` and ``rope_parameters`` (they change the numbers in the rotary tables,
+  not their size), ``rms_norm_eps``, ``pretraining_tp`` (transformers 5 no longer splits
+  the projections) and ``max_position_embeddings`` (rotary positions have no table).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError, UnknownName
+from ..graph import Graph
+from ..policy.attention import HF_NAMES
+from ..symbols import L, V, a, b, d_h, f, h, k, s
+from .registry import BOOKKEEPING, Family, Unmodelled, register
+
+__all__ = ["LlamaConfig", "build_llama", "PRESETS", "HF_IDS", "REQUIRED", "UNMODELLED", "IGNORED", "FAMILY"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The fields of Hugging Face's LlamaConfig that decide memory, with its defaults
+    (Llama 2 7B's shape). ``num_key_value_heads`` None means ``num_attention_heads`` and
+    ``head_dim`` None means ``hidden_size // num_attention_heads``, as transformers sets them."""
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    vocab_size: int = 32000
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    attn_implementation: str | None = None
+    name: str = "llama"
+
+    def __post_init__(self):
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            _positive_int(key, getattr(self, key))
+        for key in ("num_key_value_heads", "head_dim"):
+            if getattr(self, key) is not None:
+                _positive_int(key, getattr(self, key))
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError("hidden_size", self.hidden_size,
+                              f"a multiple of the number of attention heads ({self.num_attention_heads})",
+                              "transformers refuses it too (LlamaConfig.validate_architecture).")
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError("num_key_value_heads", self.kv_heads,
+                              f"a divisor of the number of attention heads ({self.num_attention_heads})",
+                              "Each key/value head serves a whole group of query heads.")
+        if self.hidden_act != "silu":
+            raise UnknownName("hidden_act", self.hidden_act, ("silu",))
+        p = self.attention_dropout
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise ConfigError("attention_dropout", p, "a dropout probability in [0, 1)")
+        for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, getattr(self, key), "true or false")
+        if self.attn_implementation is not None and self.attn_implementation not in HF_NAMES:
+            raise UnknownName("attn_implementation", self.attn_implementation, tuple(HF_NAMES))
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+
+    @property
+    def own_head_dim(self) -> bool:
+        """Does the config set a head dimension other than h/a (then the symbol d_h)?"""
+        return self.head_dim is not None and self.head_dim * self.num_attention_heads != self.hidden_size
+
+    def bindings(self) -> dict:
+        out = {h: self.hidden_size, L: self.num_hidden_layers, a: self.num_attention_heads,
+               k: self.kv_heads, V: self.vocab_size, f: self.intermediate_size}
+        if self.own_head_dim:
+            out[d_h] = self.head_dim
+        return out
+
+
+def _positive_int(key, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(key, value, "a positive integer")
+
+
+def build_llama(cfg: LlamaConfig) -> Graph:
+    """The operator graph of one LlamaForCausalLM training forward, loss included."""
+    g = Graph(cfg.name, cfg.bindings())
+    if cfg.attn_implementation is not None:
+        g.attention = HF_NAMES[cfg.attn_implementation]
+    d = d_h if cfg.own_head_dim else h / a
+    g.require(a, h, "the attention heads split the hidden size evenly", kind="divides")
+    g.require(k, a, "each key/value head serves a whole group of query heads", kind="divides")
+    ids = g.input("input_ids", (b, s))
+    embed = g.param("embed_tokens.weight", (V, h))
+    x = g.add("embedding", ids, params=(embed,), name="embed_tokens")
+    positions = g.add("positions", ids, name="position_ids")
+    mask = g.add("causal_mask", ids, name="causal_mask")
+    # LlamaRotaryEmbedding's buffers (inv_freq and its original copy, d/2 each, float32 or the
+    # dtype model.to() gave the weights) and the cos and sin tables it makes once per forward,
+    # read by every layer
+    for name in ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"):
+        g.buffer(name, (d / 2,), dtype="param")
+    cos = g.add("rotary", positions, x, dim=d, which="cos", name="rotary_emb/cos")
+    sin = g.add("rotary", positions, x, dim=d, which="sin", name="rotary_emb/sin")
+
+    def block(g: Graph, x: str) -> str:
+        def norm(name, y):       # its input also feeds the residual add
+            return g.add("rms_norm", y, params=(g.param(f"{name}.weight", (h,)),), residual=True,
+                         name=f"layers/{name}")
+
+        def linear(name, y, n_in, n_out, bias):
+            params = (g.param(f"{name}.weight", (n_out, n_in)),)
+            if bias:
+                params += (g.param(f"{name}.bias", (n_out,)),)
+            return g.add("linear", y, params=params, name=f"layers/{name}")
+
+        y = norm("input_layernorm", x)
+        q, key, v = (linear(f"self_attn.{n}_proj", y, h, heads * d, cfg.attention_bias)
+                     for n, heads in (("q", a), ("k", k), ("v", k)))
+        q = g.add("heads", q, heads=a, name="layers/self_attn/q_heads")
+        key = g.add("heads", key, heads=k, name="layers/self_attn/k_heads")
+        v = g.add("heads", v, heads=k, name="layers/self_attn/v_heads")
+        q = g.add("rope", q, cos, sin, name="layers/self_attn/q_rope")
+        key = g.add("rope", key, cos, sin, name="layers/self_attn/k_rope")
+        # the attention core, as the policy's kernel computes it (symmem.passes.attention):
+        # eager repeats k and v to a heads, softmax in float32 cast to the query's dtype;
+        # LlamaDecoderLayer keeps the returned weights in `_` until it returns
+        with g.scope(recompute="attention"):
+            z = g.add("attention", q, key, v, mask, dropout=cfg.attention_dropout, causal=True, groups=a / k,
+                      probs_like="query", softmax_float32=True, weights_until="layers/mlp/residual",
+                      name="layers/self_attn/context")
+        z = g.add("merge_heads", z, name="layers/self_attn/merge")
+        z = linear("self_attn.o_proj", z, a * d, h, cfg.attention_bias)
+        x = g.add("add", x, z, name="layers/self_attn/residual")
+        y2 = norm("post_attention_layernorm", x)
+        gate = linear("mlp.gate_proj", y2, h, f, cfg.mlp_bias)
+        up = linear("mlp.up_proj", y2, h, f, cfg.mlp_bias)
+        z2 = g.add("mul", g.add("silu", gate, name="layers/mlp/act"), up, name="layers/mlp/gated")
+        z2 = linear("mlp.down_proj", z2, f, h, cfg.mlp_bias)
+        out = g.add("add", x, z2, name="layers/mlp/residual")
+        # LlamaAttention's locals until it returns (after o_proj): the rotated query and key,
+        # the value view; LlamaDecoderLayer's `hidden_states` (each norm's output) until the
+        # attention or the MLP returns
+        for value in (q, key, v):
+            g.hold(value, until="layers/self_attn.o_proj")
+        g.hold(y, until="layers/self_attn.o_proj")
+        g.hold(y2, until="layers/mlp.down_proj")
+        return out
+
+    x = g.repeat(L, block, x, name="layers")
+    x = g.output(g.add("rms_norm", x, params=(g.param("norm.weight", (h,)),), name="norm"))
+    head = embed if cfg.tie_word_embeddings else g.param("lm_head.weight", (V, h))
+    logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
+    # ForCausalLMLoss, as for GPT-2: logits.float(), the labels padded and shifted, cross-entropy
+    logits = g.add("to_float32", logits, name="logits_float")
+    padded = g.add("pad_labels", ids, name="labels_padded")
+    labels = g.add("shift_labels", padded, name="labels_shifted")
+    logp = g.add("log_softmax", logits, name="log_softmax")
+    loss = g.add("nll_loss", logp, labels, shifted=True, name="loss")
+    for value in (logits, padded):
+        g.hold(value, until=loss)
+    # LlamaModel's locals until it returns (after the final norm)
+    for value in ("embed_tokens", positions, mask, cos, sin):
+        g.hold(value, until="norm")
+    return g
+
+
+def _llama(name, h_, f_, L_, a_, k_, V_):
+    return LlamaConfig(hidden_size=h_, intermediate_size=f_, num_hidden_layers=L_, num_attention_heads=a_,
+                       num_key_value_heads=k_, vocab_size=V_, name=name)
+
+
+#: Meta's checkpoints (Touvron et al. 2023; Grattafiori et al. 2024, the Llama 3 herd) as their
+#: config.json files give them; Llama 3.1's rope_scaling changes no tensor's size.
+PRESETS: dict[str, LlamaConfig] = {
+    "llama-2-7b": _llama("llama-2-7b", 4096, 11008, 32, 32, 32, 32000),
+    "llama-2-13b": _llama("llama-2-13b", 5120, 13824, 40, 40, 40, 32000),
+    "llama-2-70b": _llama("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
+    "llama-3-8b": _llama("llama-3-8b", 4096, 14336, 32, 32, 8, 128256),
+    "llama-3-70b": _llama("llama-3-70b", 8192, 28672, 80, 64, 8, 128256),
+    "llama-3.1-8b": _llama("llama-3.1-8b", 4096, 14336, 32, 32, 8, 128256),
+    "llama-3.1-70b": _llama("llama-3.1-70b", 8192, 28672, 80, 64, 8, 128256),
+    "llama-3.1-405b": _llama("llama-3.1-405b", 16384, 53248, 126, 128, 8, 128256),
+}
+
+HF_IDS = {"llama-2-7b": "meta-llama/Llama-2-7b-hf", "llama-2-13b": "meta-llama/Llama-2-13b-hf",
+          "llama-2-70b": "meta-llama/Llama-2-70b-hf", "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
+          "llama-3-70b": "meta-llama/Meta-Llama-3-70B", "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+          "llama-3.1-70b": "meta-llama/Llama-3.1-70B", "llama-3.1-405b": "meta-llama/Llama-3.1-405B"}
+
+#: The sizes a config.json must give; every other field takes transformers' default.
+REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+UNMODELLED = (
+    Unmodelled("gradient_checkpointing", (False,),
+               "transformers then recomputes every layer in backward: use --recompute full"),
+)
+
+_ROPE = "the rotary tables' values (frequencies, scaling), not their size"
+
+IGNORED = {
+    **BOOKKEEPING,
+    "max_position_embeddings": "rotary positions have no table: nothing sized by it",
+    "rope_theta": _ROPE, "rope_scaling": _ROPE, "rope_parameters": _ROPE,
+    "rms_norm_eps": "a number inside RMSNorm, not a tensor",
+    "initializer_range": "initialisation only",
+    "pretraining_tp": "transformers 5 no longer splits the projections by it",
+    "use_cache": "a training step keeps only the loss, so the KV cache goes with the output "
+                 "before backward; symmem models use_cache=False",
+    "output_attentions": "the returned tensors go with the output before backward",
+    "output_hidden_states": "the returned tensors go with the output before backward",
+    "dtype": "the weights' dtype when loading: the precision policy prices every role instead",
+    "torch_dtype": "the weights' dtype when loading: the precision policy prices every role instead",
+}
+
+FAMILY = register(Family(
+    name="llama",
+    description="Llama 1, 2 and 3 as Hugging Face's LlamaForCausalLM runs them (RMSNorm, rotary "
+                "embeddings, grouped-query attention, SwiGLU, untied head)",
+    config=LlamaConfig,
+    build=build_llama,
+    model_types=("llama",),
+    aliases={"_attn_implementation": "attn_implementation"},
+    required=REQUIRED,
+    presets=PRESETS,
+    hf_ids=HF_IDS,
+    unmodelled=UNMODELLED,
+    ignored=IGNORED,
+))

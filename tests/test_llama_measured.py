@@ -1,0 +1,172 @@
+"""Llama against Hugging Face's own ``LlamaForCausalLM`` on the CPU: random weights from small
+configs (no download), multi-head, grouped-query and multi-query attention, eager and SDPA,
+float32, bfloat16 autocast and a bfloat16 model; parameters and buffers, bytes saved for
+backward, the training step's peak, its phase and every phase's maximum, to the byte.
+"""
+import json
+
+import pytest
+import sympy as sp
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import symmem as sm  # noqa: E402
+from symmem.errors import ConfigError, UnknownName  # noqa: E402
+from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
+from helpers import assert_step_exact  # noqa: E402
+from test_gpt2_measured import optimizer  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+# (b, s, h, f, a, k, L, V): MHA (k = a), GQA (k < a), MQA (k = 1)
+POINTS = [
+    (2, 16, 32, 64, 4, 4, 2, 100),
+    (2, 8, 128, 512, 4, 2, 3, 20),      # wide layers, a small vocabulary: peaks inside the layers
+    (3, 8, 128, 384, 8, 1, 2, 20),
+    (1, 16, 32, 64, 4, 2, 2, 100),      # b = 1
+]
+
+
+def hf_llama(point, attention, **extra):
+    b, s, h, f, a, k, L, V = point
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=f, num_attention_heads=a, num_key_value_heads=k,
+                                   num_hidden_layers=L, vocab_size=V, max_position_embeddings=64,
+                                   attn_implementation=attention, use_cache=False, bos_token_id=0, eos_token_id=0,
+                                   pad_token_id=None, **extra)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.train()
+    return cfg, model
+
+
+def graph_of(cfg):
+    return sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
+
+
+CASES = [
+    # point, attention, precision, optimizer, implementation
+    (POINTS[0], "eager", "fp32", "adamw", "for-loop"),
+    (POINTS[0], "sdpa", "bf16-mixed", "adamw", "foreach"),
+    (POINTS[0], "eager", "bf16", "sgd-momentum", "for-loop"),
+    (POINTS[1], "eager", "fp32", "sgd", "for-loop"),
+    (POINTS[1], "sdpa", "bf16", "sgd", "for-loop"),
+    (POINTS[1], "eager", "bf16-mixed", "adamw", "for-loop"),
+    (POINTS[2], "sdpa", "fp32", "adam", "foreach"),
+    (POINTS[2], "eager", "bf16-mixed", "sgd", "for-loop"),
+    (POINTS[3], "eager", "fp32", "adamw", "for-loop"),
+    (POINTS[3], "sdpa", "bf16", "sgd", "for-loop"),
+]
+
+
+@pytest.mark.parametrize("point,attention,precision,opt,impl", CASES,
+                         ids=[f"b{p[0]}-h{p[2]}-a{p[4]}-k{p[5]}-{at}-{pr}-{o}-{i}" for p, at, pr, o, i in CASES])
+def test_llama_exact(point, attention, precision, opt, impl):
+    """Parameters and the rotary buffers (inv_freq and its copy, d/2 each, in the model's
+    dtype), saved bytes, the peak, its phase and every phase's maximum."""
+    b, s, h, f, a, k, L, V = point
+    cfg, model = hf_llama(point, attention)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", impl))
+    if b == 1:
+        est = est.at_one
+    ev = est.at(b=b, s=s)
+    buffers = sum(t.untyped_storage().nbytes() for t in model.buffers())
+    assert (ev.bytes["params"], ev.bytes["buffers"]) == (param_bytes(model), buffers)
+    ids = torch.randint(0, V, (b, s))
+
+    def fwd():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            return model(ids, labels=ids).loss
+    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    report = training_step(model, lambda m: fwd(), optimizer(opt, impl, model.parameters()), extra=(ids,))
+    assert_step_exact(est, report, b, s)
+
+
+def test_biases_head_dim_and_tied_head_exact():
+    """attention_bias, mlp_bias, a head_dim other than h/a (the symbol d_h) and a tied head."""
+    point = (2, 8, 64, 128, 4, 2, 2, 50)
+    b, s, h, f, a, k, L, V = point
+    cfg, model = hf_llama(point, "eager", attention_bias=True, mlp_bias=True, head_dim=24, tie_word_embeddings=True)
+    g = graph_of(cfg)
+    est = sm.estimate(g, sm.Policy("fp32", "adamw", "cpu", "for-loop"))
+    assert sm.symbols.d_h in est.components["activations"].free_symbols
+    assert est.at(b=b, s=s).bytes["params"] == param_bytes(model)
+    ids = torch.randint(0, V, (b, s))
+    fwd = lambda: model(ids, labels=ids).loss  # noqa: E731
+    assert est.at(b=b, s=s).bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    report = training_step(model, lambda m: fwd(), optimizer("adamw", "for-loop", model.parameters()), extra=(ids,))
+    assert_step_exact(est, report, b, s)
+
+
+# ----------------------------------------------------------------------------- presets
+
+#: parameters of Meta's checkpoints, as transformers counts them (sum of numel over
+#: LlamaForCausalLM's parameters) and as the model cards publish them
+PUBLISHED = {
+    "llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320, "llama-2-70b": 68_976_648_192,
+    "llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496, "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_counts(name):
+    """Llama 2 7B: embeddings and head 2*32000*4096 = 262,144,000, 32 layers of
+    4*4096^2 + 3*4096*11008 + 2*4096 = 202,383,360, the final norm 4096: 6,738,415,616."""
+    est = sm.estimate(name, sm.Policy("fp32", "sgd"))
+    assert est.at(b=1, s=128).bytes["params"] == 4 * PUBLISHED[name]
+
+
+def test_preset_counts_match_transformers():
+    """The preset's config built by transformers on the meta device: the same count."""
+    cfg = sm.models.PRESETS["llama-2-7b"]
+    hf = transformers.LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                                  num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                                  num_key_value_heads=cfg.kv_heads, vocab_size=cfg.vocab_size)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED["llama-2-7b"]
+
+
+def test_hugging_face_ids_offline():
+    assert sm.models.preset("meta-llama/Llama-2-7b-hf").name == "llama-2-7b"
+    assert sm.models.preset("META-LLAMA/LLAMA-3.1-8B").name == "llama-3.1-8b"
+
+
+def test_config_json_and_symbols(tmp_path):
+    """A config.json as Meta ships it: the formula keeps k (kv heads) and f; L stays a symbol."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+                                "max_position_embeddings": 8192, "rope_scaling": None, "torch_dtype": "bfloat16",
+                                "architectures": ["LlamaForCausalLM"], "bos_token_id": 128000,
+                                "eos_token_id": 128001, "hidden_act": "silu", "tie_word_embeddings": False}))
+    est = sm.estimate(sm.models.from_hf_config(path), sm.Policy("bf16-mixed", "adamw"))
+    free = est.components["activations"].free_symbols
+    assert {sm.symbols.k, sm.symbols.f, sm.symbols.L} <= free
+    assert est.at(b=1, s=128).bytes["params"] == 4 * PUBLISHED["llama-3-8b"]
+    # per layer q and o (h^2 each), k and v (h*k*d = h^2 k/a each), gate, up, down (3fh), two
+    # norms (2h); the embeddings and the untied head (2Vh) and the final norm (h)
+    B_w, V, h, f, a, k, L = (sm.symbols.B_w, sm.symbols.V, sm.symbols.h, sm.symbols.f, sm.symbols.a,
+                             sm.symbols.k, sm.symbols.L)
+    expected = B_w * (2 * V * h + h + L * (2 * h**2 + 2 * h**2 * k / a + 3 * f * h + 2 * h))
+    assert sp.expand(est.components["params"] - expected) == 0
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"num_key_value_heads": 3}, "num_key_value_heads = 3 is not valid: expected a divisor of the number of "
+                                 "attention heads (4)"),
+    ({"hidden_size": 30}, "hidden_size = 30 is not valid: expected a multiple of the number of attention heads (4)"),
+    ({"hidden_act": "gelu"}, "unknown hidden_act 'gelu'"),
+    ({"attention_dropout": 1.5}, "attention_dropout = 1.5 is not valid"),
+    ({"gradient_checkpointing": True}, "gradient_checkpointing = True is not valid"),
+])
+def test_bad_llama_config_is_refused(changes, words):
+    base = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "vocab_size": 100}
+    with pytest.raises((ConfigError, UnknownName)) as e:
+        sm.models.from_hf_config({**base, **changes})
+    assert words in str(e.value)
