@@ -170,3 +170,29 @@ def test_bad_llama_config_is_refused(changes, words):
     with pytest.raises((ConfigError, UnknownName)) as e:
         sm.models.from_hf_config({**base, **changes})
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("precision,attention", [("fp32", "eager"), ("bf16", "sdpa"), ("bf16-mixed", "sdpa")])
+def test_llama_lora_exact(precision, attention):
+    """peft's default targets for Llama (q_proj, v_proj) at rank 4, every other weight frozen:
+    the frozen norms save only what x's gradient needs, and the first layer's norm, whose
+    input (the frozen embedding's output) needs none, saves nothing."""
+    peft = pytest.importorskip("peft")
+    point = POINTS[1]
+    b, s, h, f, a, k, L, V = point
+    cfg, model = hf_llama(point, attention)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0))
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, "adamw", "cpu", "for-loop", lora=4))
+    ev = est.at(b=b, s=s)
+    assert ev.bytes["params"] == param_bytes(model)
+    ids = torch.randint(0, V, (b, s))
+
+    def fwd():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            return model(ids, labels=ids).loss
+    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    report = training_step(model, lambda m: fwd(), optimizer("adamw", "for-loop", trainable), extra=(ids,))
+    assert_step_exact(est, report, b, s)

@@ -127,6 +127,8 @@ def build_llama(cfg: LlamaConfig) -> Graph:
     sin = g.add("rotary", positions, x, dim=d, which="sin", name="rotary_emb/sin")
 
     def block(g: Graph, x: str) -> str:
+        x_in = x
+
         def norm(name, y):       # its input also feeds the residual add
             return g.add("rms_norm", y, params=(g.param(f"{name}.weight", (h,)),), residual=True,
                          name=f"layers/{name}")
@@ -168,6 +170,10 @@ def build_llama(cfg: LlamaConfig) -> Graph:
             g.hold(value, until="layers/self_attn.o_proj")
         g.hold(y, until="layers/self_attn.o_proj")
         g.hold(y2, until="layers/mlp.down_proj")
+        # the layer's input: LlamaModel's loop passes `hidden_states` and rebinds it to what the
+        # layer returns, so it lives until the layer's end (the norms save a float32 copy of a
+        # half input, not the input)
+        g.hold(x_in, until=out)
         return out
 
     x = g.repeat(L, block, x, name="layers")

@@ -36,9 +36,9 @@ from dataclasses import replace
 
 from ..errors import ConfigError
 from ..graph import Graph
-from ..policy.adapters import LORA_DTYPES
+from ..policy.adapters import DEFAULT_TARGETS, LORA_DTYPES
 
-__all__ = ["prepare", "apply", "linear_modules", "module_of", "LINEAR"]
+__all__ = ["default_targets", "prepare", "apply", "linear_modules", "module_of", "LINEAR"]
 
 
 def module_of(node) -> str:
@@ -66,12 +66,24 @@ def linear_modules(graph: Graph) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def default_targets(graph: Graph) -> tuple[str, ...]:
+    """peft's default target modules for the model: the first entry of
+    :data:`~symmem.policy.adapters.DEFAULT_TARGETS` whose modules the graph has."""
+    known = set(linear_modules(graph))
+    for targets in DEFAULT_TARGETS.values():
+        if set(targets) <= known:
+            return targets
+    raise ConfigError("lora_targets", None, f"module names: peft has no default for {graph.name!r}",
+                      f"Name the projections to adapt, one of {', '.join(linear_modules(graph))}.")
+
+
 def prepare(graph: Graph, policy) -> Graph:
     lora = policy.lora
     if lora is None:
         return graph
     known = linear_modules(graph)
-    for t in lora.targets:
+    targets = lora.targets or default_targets(graph)
+    for t in targets:
         if not any(_matches(n, (t,)) for g in graph.graphs() for n in g.items if hasattr(n, "op")):
             raise ConfigError("lora_targets", t, f"a linear layer of {graph.name!r}: one of {', '.join(known)}",
                               "Name the projections to adapt, e.g. --lora-targets c_attn,c_proj.")
@@ -82,7 +94,7 @@ def prepare(graph: Graph, policy) -> Graph:
     adapter = "float32" if upcast else None
 
     def rewrite(node, sub: Graph) -> bool:
-        if not _matches(node, lora.targets):
+        if not _matches(node, targets):
             return False
         x = node.inputs[0]
         w = node.params[0]

@@ -214,7 +214,8 @@ PARTS = (
     Part("lora", "--lora", None, "R",
          "LoRA adapters of rank R (r: the rank as a symbol) on --lora-targets, every other weight frozen"),
     Part("lora_targets", "--lora-targets", None, "NAMES",
-         "the projections LoRA adapts, comma-separated (None: peft's default for the model, c_attn)"),
+         "the projections LoRA adapts, comma-separated (None: peft's default for the model: c_attn for "
+         "GPT-2, q_proj,v_proj for Llama)"),
     Part("lora_dtype", "--lora-dtype", LORA_DTYPES, "NAME",
          "the adapters' dtype on a bf16/fp16 model: float32 (peft's default) or the model's"),
     Part("quantize", "--quantize", QUANTIZE, "NAME",

@@ -16,6 +16,7 @@ model's dtype (``autocast_adapter_dtype=False``: QLoRA's "bf16 adapters").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import sympy as sp
 
@@ -26,16 +27,18 @@ from .registry import Registry
 __all__ = ["LoRA", "DEFAULT_TARGETS", "LORA_DTYPES", "AdapterDType"]
 
 #: peft's default target modules (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``)
-#: for the model families symmem builds.
-DEFAULT_TARGETS = ("c_attn",)
+#: for the model families symmem builds; the LoRA pass takes the first whose modules the
+#: model has.
+DEFAULT_TARGETS = MappingProxyType({"gpt2": ("c_attn",), "llama": ("q_proj", "v_proj")})
 
 
 @dataclass(frozen=True)
 class LoRA:
     """A LoRA configuration: ``rank`` (a positive integer or the symbol ``r``), the
-    module names it adapts, the adapters' dropout probability."""
+    module names it adapts (None: peft's default for the model, :data:`DEFAULT_TARGETS`), the
+    adapters' dropout probability."""
     rank: object = r
-    targets: tuple = DEFAULT_TARGETS
+    targets: tuple | None = None
     dropout: float = 0.0
 
     @staticmethod
@@ -56,11 +59,9 @@ class LoRA:
         if value != r and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError("lora", rank, "a rank >= 1 (an integer), or r for the rank as a symbol",
                               "--lora 8 adds rank-8 adapters; leave it out for none.")
-        if targets is None:
-            names = DEFAULT_TARGETS
-        else:
-            names = tuple(t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets))
-        if not names or any(not n for n in names):
+        names = None if targets is None else tuple(
+            t.strip() for t in (targets.split(",") if isinstance(targets, str) else targets))
+        if names is not None and (not names or any(not n for n in names)):
             raise ConfigError("lora_targets", targets, "module names separated by commas, e.g. c_attn,c_proj")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ConfigError("lora_dropout", dropout, "a dropout probability in [0, 1)")
@@ -72,7 +73,8 @@ class LoRA:
         return {} if self.rank == r else {r: sp.Integer(self.rank)}
 
     def __str__(self) -> str:
-        return (f"LoRA rank {self.rank} on {', '.join(self.targets)}"
+        where = ", ".join(self.targets) if self.targets else "peft's default targets"
+        return (f"LoRA rank {self.rank} on {where}"
                 + (f", dropout {self.dropout}" if self.dropout else ""))
 
 

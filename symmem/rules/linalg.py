@@ -93,7 +93,9 @@ def matmul_rule(node, ins, ctx):
     on 4-D tensors: matmul reshapes each operand to 3-D for bmm; a non-contiguous operand
     (a head view (b, a, s, d) of a (b, s, 3h) tensor) is copied, and bmm saves both 3-D
     operands. Under autocast (``aten::matmul``: lower-precision list on both devices) the
-    operands are cast to the half dtype first (a copy when they are not). At b = 1
+    operands are cast to the half dtype first (a copy when they are not). An operand is saved
+    only where the other needs a gradient (a frozen key under adapters on the query only).
+    At b = 1
     (``ctx.batch_one``) a head view (1, a, s, d) reshapes to (a, s, d) without a copy, and bmm
     saves that view: the storage it views (all of qkv) is kept instead of a copy."""
     x, y = ins
@@ -104,12 +106,16 @@ def matmul_rule(node, ins, ctx):
     dt = ctx.autocast_dtype("matmul")
     if dt is None:
         dt = _promote(x.dtype, y.dtype)
-    saved = []
+    saved, temp = [], sp.Integer(0)
     for i, (t, label) in enumerate(((x, "left operand"), (y, "right operand"))):
-        # a transposed contiguous operand reshapes to 3-D as a view: bmm saves that view
-        if not ctx.same(t.dtype, dt) or not (t.contiguous or ctx.batch_view(t)):
+        # a transposed contiguous operand reshapes to 3-D as a view: bmm saves that view;
+        # an operand is saved for the other's gradient only (a copy nobody saves is scratch)
+        copy = not ctx.same(t.dtype, dt) or not (t.contiguous or ctx.batch_view(t))
+        if not ins[1 - i].requires_grad:
+            temp += t.numel * dt.nbytes if copy else 0
+        elif copy:
             saved.append(Saved(f"{label} (contiguous copy)", "new", t.numel, dt))
         else:
             saved.append(Saved(label, f"in{i}"))
     out = TensorInfo(tuple(x.shape[:-2]) + (m, n), dt)
-    return Footprint(out, saved=tuple(saved), grads=_grads(ins))
+    return Footprint(out, saved=tuple(saved), fwd_temp=temp, grads=_grads(ins))
