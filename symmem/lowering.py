@@ -252,12 +252,15 @@ class _Lowering:
             grads[value] = key
             refs[key] = refs.get(key, 0) + 1
 
-        extra, news = ZERO, []
+        extra, news, late_extra = ZERO, [], {}
         for i, (v, mode) in enumerate(zip(inst.inputs, fp.grads)):
             if mode is None or not self.info[v].requires_grad:
                 continue
             if v in grads:                # a second consumer: accumulated into the first
-                extra += self.info[v].nbytes if mode == "new" else 0
+                if mode == "new" and i in fp.late_inputs:    # when its cast-back node makes it
+                    late_extra[i] = self.info[v].nbytes
+                else:
+                    extra += self.info[v].nbytes if mode == "new" else 0
             elif mode == "pass":
                 hand(v, g)
             else:                         # "new", or "slice" arriving first
@@ -300,7 +303,8 @@ class _Lowering:
         other = fp.bwd_temp - left
         for kind, j, half in fp.cast_back:  # one at a time, each half copy freed before the next
             tied += allocate("late", (kind, j))
-            out.append(Mark("backward", f"{inst.name} (cast back)", (("transient", other + left + tied),),
+            joined = late_extra.get(j, ZERO) if kind == "in" else ZERO
+            out.append(Mark("backward", f"{inst.name} (cast back)", (("transient", other + left + tied + joined),),
                             inst.copy))
             left -= half
         if tied != 0:                     # the engine sums the two gradients out of place

@@ -33,8 +33,8 @@ def test_missing_key_and_model_type():
         sm.models.from_hf_config(cfg)
     with pytest.raises(ConfigError, match='model_type = None .* Add "model_type" to the config'):
         sm.models.from_hf_config({k: v for k, v in GPT2.items() if k != "model_type"})
-    with pytest.raises(UnknownName, match="unknown model_type 'mamba'. Known: gpt2, llama."):
-        sm.models.from_hf_config({**GPT2, "model_type": "mamba"})
+    with pytest.raises(UnknownName, match="unknown model_type 'rwkv'. Known: gpt2, llama."):
+        sm.models.from_hf_config({**GPT2, "model_type": "rwkv"})
 
 
 def test_hugging_face_generic_names_are_accepted():

@@ -4,6 +4,7 @@ float32, bfloat16 autocast and a bfloat16 model; parameters and buffers, bytes s
 backward, the training step's peak, its phase and every phase's maximum, to the byte.
 """
 import json
+import warnings
 
 import pytest
 import sympy as sp
@@ -81,6 +82,43 @@ def test_llama_exact(point, attention, precision, opt, impl):
             return model(ids, labels=ids).loss
     assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
     report = training_step(model, lambda m: fwd(), optimizer(opt, impl, model.parameters()), extra=(ids,))
+    assert_step_exact(est, report, b, s)
+
+
+RECOMPUTED = [
+    (POINTS[1], "eager", "fp32", "sgd", "full"),
+    (POINTS[1], "sdpa", "bf16", "sgd", "full"),
+    (POINTS[1], "sdpa", "bf16", "adamw", "last:1"),
+    (POINTS[2], "eager", "bf16-mixed", "sgd", "last:1"),
+    ((2, 16, 64, 128, 4, 4, 2, 50), "sdpa", "bf16-mixed", "sgd", "full"),
+]
+
+
+@pytest.mark.parametrize("point,attention,precision,opt,spec", RECOMPUTED,
+                         ids=[f"{sp_}-h{p[2]}-k{p[5]}-{at}-{pr}-{o}" for p, at, pr, o, sp_ in RECOMPUTED])
+def test_llama_recomputed_exact(point, attention, precision, opt, spec):
+    """Hugging Face's gradient checkpointing (``gradient_checkpointing_enable()``, non-reentrant;
+    ``last:N``: switched off on the last N layers). A layer's checkpoint keeps its input;
+    transformers binds the position ids, the mask and the rotary tables with
+    ``functools.partial``, which keeps them without saving them."""
+    b, s, h, f, a, k, L, V = point
+    cfg, model = hf_llama(point, attention)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)     # an alias in transformers 5
+        model.gradient_checkpointing_enable()
+    if spec.startswith("last:"):
+        for layer in list(model.model.layers)[L - int(spec[5:]):]:
+            layer.gradient_checkpointing = False
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", "for-loop", recompute=spec))
+    ids = torch.randint(0, V, (b, s))
+
+    def fwd():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            return model(ids, labels=ids).loss
+    assert est.at(b=b, s=s).bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", model.parameters()), extra=(ids,))
     assert_step_exact(est, report, b, s)
 
 

@@ -116,15 +116,17 @@ def build_llama(cfg: LlamaConfig) -> Graph:
     ids = g.input("input_ids", (b, s))
     embed = g.param("embed_tokens.weight", (V, h))
     x = g.add("embedding", ids, params=(embed,), name="embed_tokens")
-    positions = g.add("positions", ids, name="position_ids")
-    mask = g.add("causal_mask", ids, name="causal_mask")
+    positions = g.add("positions", ids, layer_kwarg=True, name="position_ids")
+    # LlamaModel passes the position ids, the mask and the rotary tables to each layer as
+    # keyword arguments
+    mask = g.add("causal_mask", ids, layer_kwarg=True, name="causal_mask")
     # LlamaRotaryEmbedding's buffers (inv_freq and its original copy, d/2 each, float32 or the
     # dtype model.to() gave the weights) and the cos and sin tables it makes once per forward,
     # read by every layer
     for name in ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq"):
         g.buffer(name, (d / 2,), dtype="param")
-    cos = g.add("rotary", positions, x, dim=d, which="cos", name="rotary_emb/cos")
-    sin = g.add("rotary", positions, x, dim=d, which="sin", name="rotary_emb/sin")
+    cos = g.add("rotary", positions, x, dim=d, which="cos", layer_kwarg=True, name="rotary_emb/cos")
+    sin = g.add("rotary", positions, x, dim=d, which="sin", layer_kwarg=True, name="rotary_emb/sin")
 
     def block(g: Graph, x: str) -> str:
         x_in = x
@@ -148,19 +150,22 @@ def build_llama(cfg: LlamaConfig) -> Graph:
         q = g.add("rope", q, cos, sin, name="layers/self_attn/q_rope")
         key = g.add("rope", key, cos, sin, name="layers/self_attn/k_rope")
         # the attention core, as the policy's kernel computes it (symmem.passes.attention):
-        # eager repeats k and v to a heads, softmax in float32 cast to the query's dtype;
-        # LlamaDecoderLayer keeps the returned weights in `_` until it returns
+        # eager repeats k and v to a heads, softmax in float32 cast to the query's dtype, and
+        # makes the output contiguous (the merge) before it returns; LlamaDecoderLayer keeps the
+        # returned weights in `_` until it returns
         with g.scope(recompute="attention"):
             z = g.add("attention", q, key, v, mask, dropout=cfg.attention_dropout, causal=True, groups=a / k,
                       probs_like="query", softmax_float32=True, weights_until="layers/mlp/residual",
+                      returns_after="layers/self_attn/merge",
                       name="layers/self_attn/context")
         z = g.add("merge_heads", z, name="layers/self_attn/merge")
         z = linear("self_attn.o_proj", z, a * d, h, cfg.attention_bias)
         x = g.add("add", x, z, name="layers/self_attn/residual")
         y2 = norm("post_attention_layernorm", x)
-        gate = linear("mlp.gate_proj", y2, h, f, cfg.mlp_bias)
+        # act_fn(gate_proj(x)) * up_proj(x), in that order
+        act = g.add("silu", linear("mlp.gate_proj", y2, h, f, cfg.mlp_bias), name="layers/mlp/act")
         up = linear("mlp.up_proj", y2, h, f, cfg.mlp_bias)
-        z2 = g.add("mul", g.add("silu", gate, name="layers/mlp/act"), up, name="layers/mlp/gated")
+        z2 = g.add("mul", act, up, name="layers/mlp/gated")
         z2 = linear("mlp.down_proj", z2, f, h, cfg.mlp_bias)
         out = g.add("add", x, z2, name="layers/mlp/residual")
         # LlamaAttention's locals until it returns (after o_proj): the rotated query and key,

@@ -10,7 +10,8 @@ picks its backend per device, dtype and dropout as PyTorch does) and rewrites th
   attention, transformers' ``repeat_kv``), ``matmul(q, k^T)``, ``* scaling`` (a Python
   number: an 8-byte wrapped scalar on the CPU), ``+ mask``, softmax (in float32 with
   ``softmax_float32``), the cast to the value's dtype (the query's with
-  ``probs_like="query"``: Llama's), dropout,
+  ``probs_like="query"``: Llama's), dropout (the repeated k and v live until the node
+  ``returns_after`` names, where the model's eager function returns),
   ``matmul(probs, v)``; the probabilities are returned and kept by the model until
   ``weights_until`` has run (Hugging Face's blocks hold ``attn_weights``);
 - ``math`` (``_scaled_dot_product_attention_math``): half inputs upcast to float32 (on
@@ -36,7 +37,7 @@ __all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS"]
 
 #: The attention node's own attributes (the others are scope attributes its replacement keeps;
 #: it adds ``attention_kernel``, the kernel that made it).
-OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32")
+OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32", "returns_after")
 
 
 def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple[str, tuple]:
@@ -116,6 +117,8 @@ def _eager(node, g: Graph, ctx) -> None:
     if sp.sympify(groups) != 1:        # grouped-query attention: k and v repeated to a heads
         k = g.add("repeat_kv", k, groups=groups, name=pre + "k_repeated")
         v = g.add("repeat_kv", v, groups=groups, name=pre + "v_repeated")
+        for x in (k, v):         # eager_attention_forward's key_states, value_states until it returns
+            g.hold(x, until=node.attr("returns_after", node.name))
     z = g.add("matmul", q, k, transpose_b=True, name=pre + "scores")
     z = g.add("scale", z, name=pre + "scale")
     if mask:

@@ -6,7 +6,10 @@ core). What PyTorch does, measured (``tests/test_recompute_measured.py``):
 - **forward**: the region runs without autograd keeping what its operators save (the
   checkpoint's saved-tensor hooks keep placeholders), so its values die at their last use;
   the checkpoint keeps the region's inputs instead (every tensor argument, the masks too)
-  until the region's backward is over. Python numbers saved as 0-dim tensors bypass the
+  until the region's backward is over. A layer's keyword arguments (values whose node has
+  ``layer_kwarg=True``: Llama's position ids, rotary tables and mask, which transformers'
+  ``GradientCheckpointingLayer`` binds with ``functools.partial``) are kept as long, read by
+  the layer or not, but not through the hooks: they are not counted as saved. Python numbers saved as 0-dim tensors bypass the
   hooks and stay (non-reentrant only: the reentrant variant runs the region under
   ``no_grad``).
 - **backward**: when backward first needs one of the region's saved tensors (the region's
@@ -32,7 +35,8 @@ import sympy as sp
 
 from ..errors import ConfigError, UnknownName
 from ..graph import Graph
-from ..plan import AUTOGRAD, CACHE, CHECKPOINT, Backward, Begin, Compute, End, Free, Hold, Mark, Plan, Release
+from ..plan import (AUTOGRAD, CACHE, CHECKPOINT, Backward, Begin, Compute, End, Free, Hold, Key, Mark, Plan,
+                    Release)
 
 __all__ = ["prepare", "apply", "regions"]
 
@@ -139,8 +143,12 @@ def apply(plan: Plan, graph: Graph, policy) -> Plan:
     fwd, bwd = list(plan.forward), list(plan.backward)
     casts = {k: nb for e in fwd if isinstance(e, Compute) for k, nb in e.new if k.kind == "cast"}
     found = regions(plan, graph, spec)
+    # what a layer's checkpoint receives as keyword arguments (transformers binds them with
+    # functools.partial): kept, not saved through the hooks
+    keywords = ({name for name, node in _nodes(graph).items() if node.attr("layer_kwarg")}
+                if spec.mode in ("full", "every", "last", "layers") else set())
     for n, region in enumerate(found):
-        _checkpoint(fwd, bwd, region, f"{CHECKPOINT}{n}", spec.reentrant, casts)
+        _checkpoint(fwd, bwd, region, f"{CHECKPOINT}{n}", spec.reentrant, casts, keywords)
     note = (f"recompute {spec}: {len(found)} region{'s' * (len(found) != 1)} checkpointed "
             f"({'reentrant' if spec.reentrant else 'non-reentrant'})")
     return replace(plan, forward=tuple(fwd), backward=tuple(bwd), notes=plan.notes + (note,))
@@ -150,7 +158,8 @@ def _autograd(e: Compute) -> str:
     return AUTOGRAD + (f"{e.node}#{e.copy}" if e.copy else e.node)
 
 
-def _checkpoint(fwd: list, bwd: list, region: list[int], holder: str, reentrant: bool, casts: dict):
+def _checkpoint(fwd: list, bwd: list, region: list[int], holder: str, reentrant: bool, casts: dict,
+                keywords=frozenset()):
     computes = [fwd[i] for i in region]
     made = {k for e in computes for k in ([e.out] if e.out else []) + [k for k, _ in e.new]}
     inputs = list(dict.fromkeys(k for e in computes for k in e.reads if k not in made))
@@ -174,7 +183,10 @@ def _checkpoint(fwd: list, bwd: list, region: list[int], holder: str, reentrant:
             e = replace(e, new=tuple(x for x in e.new if x[0].kind != "scalar"))
         fwd[i] = replace(e, holds=holds)
     first = fwd[region[0]]
-    fwd[region[0]] = replace(first, holds=first.holds + tuple(Hold(k, holder) for k in inputs))
+    bound = holder.replace(CHECKPOINT, "checkpointed function's keywords: ")
+    inputs += [k for k in (Key("value", name) for name in sorted(keywords)) if k not in inputs]
+    fwd[region[0]] = replace(first, holds=first.holds + tuple(Hold(k, bound if k.name in keywords else holder)
+                                                              for k in inputs))
     # backward: the region again before its backward needs it; the checkpoint lets
     # go of the inputs after the last node that saved through its hooks (reentrant: after
     # the whole region, when CheckpointFunction's backward returns, with the recomputed output)
@@ -184,7 +196,7 @@ def _checkpoint(fwd: list, bwd: list, region: list[int], holder: str, reentrant:
             bwd[j] = _released_with_the_kernels(bwd[j])
     savers = [j for j in groups if reentrant or (bwd[j].node, bwd[j].copy) in hooked]
     end = max(savers or groups)               # backward runs the groups in this order
-    releases = [Release(holder)] + ([Release(holder + " output")] if reentrant else [])
+    releases = [Release(holder), Release(bound)] + ([Release(holder + " output")] if reentrant else [])
     if reentrant:        # CheckpointFunction.backward holds the outputs' gradients until it returns
         makers = {(e.node, e.copy) for e in computes if e.out in outputs}
         grads = {bwd[j].grad for j in groups if (bwd[j].node, bwd[j].copy) in makers}

@@ -121,5 +121,5 @@ def rms_norm_rule(node, ins, ctx):
                - n * x.dtype.nbytes - 4 * rows)
     else:
         bwd = n * out.dtype.nbytes if w.trainable else 0
-    return Footprint(out, saved=tuple(saved), fwd_temp=temp, grads=_grads(ins), bwd_temp=bwd,
-                     reduced_params=(0,) if w.trainable else ())
+    # the weight's gradient is made first (MulBackward0, then summed to (h,)), before the rest
+    return Footprint(out, saved=tuple(saved), fwd_temp=temp, grads=_grads(ins), bwd_temp=bwd)
