@@ -234,3 +234,74 @@ def test_llama_lora_exact(precision, attention):
     trainable = [p for p in model.parameters() if p.requires_grad]
     report = training_step(model, lambda m: fwd(), optimizer("adamw", "for-loop", trainable), extra=(ids,))
     assert_step_exact(est, report, b, s)
+
+
+# ----------------------------------------------------------------------------- Mistral, Qwen2
+
+KIN = [
+    # family, point, attention, precision, optimizer
+    ("mistral", POINTS[1], "sdpa", "bf16", "adamw"),
+    ("mistral", POINTS[0], "eager", "bf16-mixed", "sgd"),
+    ("qwen2", POINTS[1], "eager", "fp32", "sgd"),
+    ("qwen2", POINTS[2], "sdpa", "bf16-mixed", "adamw"),
+]
+
+
+@pytest.mark.parametrize("family,point,attention,precision,opt", KIN,
+                         ids=[f"{fam}-h{p[2]}-k{p[5]}-{at}-{pr}-{o}" for fam, p, at, pr, o in KIN])
+def test_mistral_and_qwen2_exact(family, point, attention, precision, opt):
+    """Mistral (no biases, a sliding window of 64 beyond the sequence) and Qwen2 (q, k, v
+    biases) as transformers builds them: parameters, saved bytes and the whole step exact."""
+    b, s, h, f, a, k, L, V = point
+    torch.manual_seed(0)
+    common = dict(hidden_size=h, intermediate_size=f, num_attention_heads=a, num_key_value_heads=k,
+                  num_hidden_layers=L, vocab_size=V, attn_implementation=attention, use_cache=False,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    if family == "mistral":
+        cfg = transformers.MistralConfig(sliding_window=64, **common)
+        model = transformers.MistralForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    model.train()
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", "for-loop"))
+    ev = est.at(b=b, s=s)
+    assert ev.bytes["params"] == param_bytes(model)
+    ids = torch.randint(0, V, (b, s))
+
+    def fwd():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            return model(ids, labels=ids).loss
+    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", model.parameters()), extra=(ids,))
+    assert_step_exact(est, report, b, s)
+
+
+@pytest.mark.parametrize("name,count", [("mistral-7b", 7_241_732_096), ("mistral-7b-v0.3", 7_248_023_552),
+                                        ("qwen2-0.5b", 494_032_768), ("qwen2-7b", 7_615_616_512),
+                                        ("qwen2-72b", 72_706_203_648)])
+def test_mistral_and_qwen2_preset_counts(name, count):
+    """Qwen2 7B: embeddings and head 2*152064*3584 = 1,089,994,752; 28 layers of q and o
+    (2*3584^2), k and v (2*3584*512), their biases (3584 + 2*512), the MLP (3*3584*18944) and
+    two norms: 233,057,792 each; the final norm 3584: 7,615,616,512."""
+    assert sm.estimate(name, sm.Policy("fp32", "sgd")).at(b=1, s=128).bytes["params"] == 4 * count
+
+
+def test_a_sequence_beyond_the_sliding_window_is_refused():
+    """Mistral 7B v0.1's window is 4096 tokens: at s = 4096 transformers materialises the
+    window's mask, which is not modelled."""
+    est = sm.estimate("mistral-7b", sm.Policy("bf16-mixed"))
+    assert est.at(b=1, s=4095).peak > 0
+    with pytest.raises(sm.errors.SymmemError) as e:
+        est.at(b=1, s=4096)
+    assert "sliding window (4096)" in str(e.value)
+
+
+def test_qwen2_sliding_window_is_refused():
+    with pytest.raises(ConfigError) as e:
+        sm.models.from_hf_config({"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+                                  "use_sliding_window": True})
+    assert "use_sliding_window = True is not valid" in str(e.value)

@@ -35,7 +35,7 @@ from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, d_h, f, h, k, s
 from .registry import BOOKKEEPING, Family, Unmodelled, register
 
-__all__ = ["LlamaConfig", "build_llama", "PRESETS", "HF_IDS", "REQUIRED", "UNMODELLED", "IGNORED", "FAMILY"]
+__all__ = ["LlamaConfig", "Decoder", "build_llama", "build_decoder", "check_decoder", "PRESETS", "HF_IDS", "REQUIRED", "UNMODELLED", "IGNORED", "FAMILY"]
 
 
 @dataclass(frozen=True)
@@ -59,45 +59,21 @@ class LlamaConfig:
     name: str = "llama"
 
     def __post_init__(self):
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-            _positive_int(key, getattr(self, key))
-        for key in ("num_key_value_heads", "head_dim"):
-            if getattr(self, key) is not None:
-                _positive_int(key, getattr(self, key))
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError("hidden_size", self.hidden_size,
-                              f"a multiple of the number of attention heads ({self.num_attention_heads})",
-                              "transformers refuses it too (LlamaConfig.validate_architecture).")
-        if self.num_attention_heads % self.kv_heads:
-            raise ConfigError("num_key_value_heads", self.kv_heads,
-                              f"a divisor of the number of attention heads ({self.num_attention_heads})",
-                              "Each key/value head serves a whole group of query heads.")
-        if self.hidden_act != "silu":
-            raise UnknownName("hidden_act", self.hidden_act, ("silu",))
-        p = self.attention_dropout
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-            raise ConfigError("attention_dropout", p, "a dropout probability in [0, 1)")
-        for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(key, getattr(self, key), "true or false")
-        if self.attn_implementation is not None and self.attn_implementation not in HF_NAMES:
-            raise UnknownName("attn_implementation", self.attn_implementation, tuple(HF_NAMES))
+        check_decoder(self, ("attention_bias", "mlp_bias"))
 
     @property
     def kv_heads(self) -> int:
         return self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
 
-    @property
-    def own_head_dim(self) -> bool:
-        """Does the config set a head dimension other than h/a (then the symbol d_h)?"""
-        return self.head_dim is not None and self.head_dim * self.num_attention_heads != self.hidden_size
+    def decoder(self) -> "Decoder":
+        return Decoder(self.name, self.hidden_size, self.intermediate_size, self.num_hidden_layers,
+                       self.num_attention_heads, self.kv_heads, self.vocab_size, self.head_dim,
+                       qkv_bias=self.attention_bias, o_bias=self.attention_bias, mlp_bias=self.mlp_bias,
+                       dropout=self.attention_dropout, tie=self.tie_word_embeddings,
+                       attn_implementation=self.attn_implementation)
 
     def bindings(self) -> dict:
-        out = {h: self.hidden_size, L: self.num_hidden_layers, a: self.num_attention_heads,
-               k: self.kv_heads, V: self.vocab_size, f: self.intermediate_size}
-        if self.own_head_dim:
-            out[d_h] = self.head_dim
-        return out
+        return self.decoder().bindings()
 
 
 def _positive_int(key, value):
@@ -105,14 +81,87 @@ def _positive_int(key, value):
         raise ConfigError(key, value, "a positive integer")
 
 
+def check_decoder(cfg, flags=()) -> None:
+    """Validate a Llama-type config by transformers' key names (Llama, Mistral and Qwen2 share
+    them): sizes positive, heads dividing the hidden size, kv heads dividing the heads, the
+    activation silu, a dropout probability, booleans ``flags`` and ``tie_word_embeddings``."""
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        _positive_int(key, getattr(cfg, key))
+    for key in ("num_key_value_heads", "head_dim", "sliding_window"):
+        if getattr(cfg, key, None) is not None:
+            _positive_int(key, getattr(cfg, key))
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ConfigError("hidden_size", cfg.hidden_size,
+                          f"a multiple of the number of attention heads ({cfg.num_attention_heads})",
+                          "transformers refuses it too (validate_architecture).")
+    kv = cfg.num_key_value_heads or cfg.num_attention_heads
+    if cfg.num_attention_heads % kv:
+        raise ConfigError("num_key_value_heads", kv,
+                          f"a divisor of the number of attention heads ({cfg.num_attention_heads})",
+                          "Each key/value head serves a whole group of query heads.")
+    if cfg.hidden_act != "silu":
+        raise UnknownName("hidden_act", cfg.hidden_act, ("silu",))
+    p = cfg.attention_dropout
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise ConfigError("attention_dropout", p, "a dropout probability in [0, 1)")
+    for key in (*flags, "tie_word_embeddings"):
+        if not isinstance(getattr(cfg, key), bool):
+            raise ConfigError(key, getattr(cfg, key), "true or false")
+    if cfg.attn_implementation is not None and cfg.attn_implementation not in HF_NAMES:
+        raise UnknownName("attn_implementation", cfg.attn_implementation, tuple(HF_NAMES))
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """What :func:`build_decoder` needs of a Llama-type config (Llama, Mistral, Qwen2 read
+    their own keys into it): sizes, which projections have a bias, the attention's dropout,
+    a tied head, the attention implementation and a sliding window (None: none)."""
+    name: str
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv: int
+    vocab: int
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    dropout: float = 0.0
+    tie: bool = False
+    attn_implementation: str | None = None
+    window: int | None = None
+
+    @property
+    def own_head_dim(self) -> bool:
+        """Does the config set a head dimension other than h/a (then the symbol d_h)?"""
+        return self.head_dim is not None and self.head_dim * self.heads != self.hidden
+
+    def bindings(self) -> dict:
+        out = {h: self.hidden, L: self.layers, a: self.heads, k: self.kv, V: self.vocab, f: self.inter}
+        if self.own_head_dim:
+            out[d_h] = self.head_dim
+        return out
+
+
 def build_llama(cfg: LlamaConfig) -> Graph:
     """The operator graph of one LlamaForCausalLM training forward, loss included."""
+    return build_decoder(cfg.decoder())
+
+
+def build_decoder(cfg: Decoder) -> Graph:
+    """The operator graph of one training forward of a Llama-type causal LM (Llama, Mistral,
+    Qwen2: transformers' modeling files differ in the biases and the sliding window only)."""
     g = Graph(cfg.name, cfg.bindings())
     if cfg.attn_implementation is not None:
         g.attention = HF_NAMES[cfg.attn_implementation]
     d = d_h if cfg.own_head_dim else h / a
     g.require(a, h, "the attention heads split the hidden size evenly", kind="divides")
     g.require(k, a, "each key/value head serves a whole group of query heads", kind="divides")
+    if cfg.window is not None:
+        g.require(s, cfg.window - 1, f"the sequence is shorter than the sliding window ({cfg.window}): "
+                                     "transformers then uses the causal mask (SDPA's is_causal); a longer one "
+                                     "materialises the sliding-window mask, which symmem does not model")
     ids = g.input("input_ids", (b, s))
     embed = g.param("embed_tokens.weight", (V, h))
     x = g.add("embedding", ids, params=(embed,), name="embed_tokens")
@@ -142,7 +191,7 @@ def build_llama(cfg: LlamaConfig) -> Graph:
             return g.add("linear", y, params=params, name=f"layers/{name}")
 
         y = norm("input_layernorm", x)
-        q, key, v = (linear(f"self_attn.{n}_proj", y, h, heads * d, cfg.attention_bias)
+        q, key, v = (linear(f"self_attn.{n}_proj", y, h, heads * d, cfg.qkv_bias)
                      for n, heads in (("q", a), ("k", k), ("v", k)))
         q = g.add("heads", q, heads=a, name="layers/self_attn/q_heads")
         key = g.add("heads", key, heads=k, name="layers/self_attn/k_heads")
@@ -154,12 +203,12 @@ def build_llama(cfg: LlamaConfig) -> Graph:
         # makes the output contiguous (the merge) before it returns; LlamaDecoderLayer keeps the
         # returned weights in `_` until it returns
         with g.scope(recompute="attention"):
-            z = g.add("attention", q, key, v, mask, dropout=cfg.attention_dropout, causal=True, groups=a / k,
+            z = g.add("attention", q, key, v, mask, dropout=cfg.dropout, causal=True, groups=a / k,
                       probs_like="query", softmax_float32=True, weights_until="layers/mlp/residual",
                       returns_after="layers/self_attn/merge",
                       name="layers/self_attn/context")
         z = g.add("merge_heads", z, name="layers/self_attn/merge")
-        z = linear("self_attn.o_proj", z, a * d, h, cfg.attention_bias)
+        z = linear("self_attn.o_proj", z, a * d, h, cfg.o_bias)
         x = g.add("add", x, z, name="layers/self_attn/residual")
         y2 = norm("post_attention_layernorm", x)
         # act_fn(gate_proj(x)) * up_proj(x), in that order
@@ -183,7 +232,7 @@ def build_llama(cfg: LlamaConfig) -> Graph:
 
     x = g.repeat(L, block, x, name="layers")
     x = g.output(g.add("rms_norm", x, params=(g.param("norm.weight", (h,)),), name="norm"))
-    head = embed if cfg.tie_word_embeddings else g.param("lm_head.weight", (V, h))
+    head = embed if cfg.tie else g.param("lm_head.weight", (V, h))
     logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
     # ForCausalLMLoss, as for GPT-2: logits.float(), the labels padded and shifted, cross-entropy
     logits = g.add("to_float32", logits, name="logits_float")
