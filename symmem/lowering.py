@@ -175,6 +175,8 @@ class _Lowering:
                     entering = [Hold(self.storage[self._where(v)], _block(rep)) for v in rep.externals]
                 if kind == "end" and c == self.copies[rep.name]:
                     events.append(Release(_block(rep)))
+                    # a local held until the block's value: released when its last layer returns
+                    events += [Release(holder) for holder in self.until.get((rep.name, 0), ())]
                 continue
             fp, holder = inst.fp, autograd(inst.name, inst.copy)
             new, holds, late, brief = [], [], [], []

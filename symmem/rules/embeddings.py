@@ -10,7 +10,7 @@ import sympy as sp
 from .core import F32, I64, Footprint, Saved, TensorInfo, _grads, _promote, rule
 
 __all__ = ["embedding_rule", "positions_rule", "position_embedding_rule", "causal_mask_rule", "rotary_rule",
-           "rope_rule"]
+           "rope_rule", "ones_like_ids_rule", "cumsum_positions_rule", "offset_ids_rule"]
 
 
 @rule("embedding")
@@ -29,6 +29,28 @@ def positions_rule(node, ins, ctx):
     made in forward, used as a (1, s) view."""
     ss = ins[0].shape[-1]
     return Footprint(TensorInfo((sp.Integer(1), ss), I64, requires_grad=False), grads=(None,))
+
+
+@rule("ones_like_ids")
+def ones_like_ids_rule(node, ins, ctx):
+    """OPT's ``torch.ones(b, s)`` position mask: float32, no gradient."""
+    return Footprint(TensorInfo(tuple(ins[0].shape), F32, requires_grad=False), grads=(None,))
+
+
+@rule("cumsum_positions")
+def cumsum_positions_rule(node, ins, ctx):
+    """OPT's position ids from its mask m (b, s): ``c = cumsum(m); (c * m - 1).long()``: int64
+    (8 bytes each); c (float32) lives until the result is made, beside ``c * m - 1`` (8 bytes
+    per element of scratch at the end; c, c * m and c * m - 1 before it: 12, less)."""
+    m = ins[0]
+    return Footprint(TensorInfo(tuple(m.shape), I64, requires_grad=False), fwd_temp=8 * m.numel, grads=(None,))
+
+
+@rule("offset_ids")
+def offset_ids_rule(node, ins, ctx):
+    """``ids + offset`` (OPT's learned positions start at 2): a new int64 tensor."""
+    ids = ins[0]
+    return Footprint(TensorInfo(tuple(ids.shape), I64, requires_grad=False), grads=(None,))
 
 
 @rule("position_embedding")
