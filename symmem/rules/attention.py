@@ -69,7 +69,8 @@ def sdpa_kernel_rule(node, ins, ctx):
     softmax statistic, made by the kernel: (b, a, s) for flash and cuDNN,
     (b, a, 32*ceiling(s/32)) for mem-efficient; on CUDA also its RNG state
     (:data:`RNG_BYTES`). The output is written as (b, s, a, d) (flash: q's layout, which
-    Hugging Face's head views give), so merging the heads back is a view. Under autocast
+    Hugging Face's head views give; a contiguous q gives a contiguous output), so merging the
+    heads back is a view. Under autocast
     (``scaled_dot_product_attention`` is on the lower-precision list of both devices) the
     inputs arrive in the half dtype from the projections; an input in another dtype is
     copied (the copy is kept, its gradient cast back after the kernel).
@@ -117,7 +118,10 @@ def sdpa_kernel_rule(node, ins, ctx):
             bwd_temp += 4 * bb * _round(ss, 128) * aa * (d_r + 1)
         elif kernel == "mem-efficient":
             bwd_temp += 4 * bb * aa * ss * (dd + 1)
-    out = TensorInfo(tuple(q.shape[:-1]) + (v.shape[-1],), dt, False, True, seq_major=True)
+    # flash writes its output in q's layout: sequence-major for a head view, (b, a, s, d) for a
+    # contiguous q (GPT-NeoX's partially rotated one), which merging the heads then copies
+    seq_major = kernel != "flash" or not q.contiguous
+    out = TensorInfo(tuple(q.shape[:-1]) + (v.shape[-1],), dt, not seq_major, True, seq_major=seq_major)
     # autocast casts q, k, v right to left, so their cast-backs run q, k, v (as linear's do)
     return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, cast_back=tuple(late))
 

@@ -103,9 +103,19 @@ def rope_rule(node, ins, ctx):
     makes x*cos, -x2 (freed after the cat), the cat (freed after its product), its product
     with sin, and their sum: at the sum, two temporaries of the output's size. The output
     keeps x's layout (the first operand's: a head view stays sequence-major), in x's dtype
-    promoted with the tables' (float32 under autocast, where cos and sin are float32)."""
+    promoted with the tables' (float32 under autocast, where cos and sin are float32). Tables
+    narrower than x rotate its first dimensions only (GPT-NeoX's ``rotary_pct``)."""
     x, cos, sin = ins
     dt = _promote(x.dtype, cos.dtype)
-    out = TensorInfo(x.shape, dt, x.contiguous, x.requires_grad, seq_major=x.seq_major)
     saved = (Saved("rope cos", "in1"), Saved("rope sin", "in2")) if x.requires_grad else ()
-    return Footprint(out, saved=saved, fwd_temp=2 * x.numel * dt.nbytes, grads=(_grads(ins[:1]) + (None, None)))
+    grads = _grads(ins[:1]) + (None, None)
+    n = x.numel
+    if sp.simplify(cos.shape[-1] - x.shape[-1]) == 0:
+        out = TensorInfo(x.shape, dt, x.contiguous, x.requires_grad, seq_major=x.seq_major)
+        return Footprint(out, saved=saved, fwd_temp=2 * n * dt.nbytes, grads=grads)
+    # partial rotation (GPT-NeoX: the first r of d dimensions): the rotated part as above, n_r =
+    # n*r/d elements, then cat([rotated, x[..., r:]]) into a new contiguous output; its largest
+    # moment is 3 n_r beside nothing else, or the rotated part beside the output
+    n_r = n * cos.shape[-1] / x.shape[-1]
+    out = TensorInfo(x.shape, dt, True, x.requires_grad)
+    return Footprint(out, saved=saved, fwd_temp=sp.Max(3 * n_r - n, n_r) * dt.nbytes, grads=grads)
