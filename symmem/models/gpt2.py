@@ -34,7 +34,8 @@ from ..errors import ConfigError, UnknownName
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, f, h, s, s_max
-from .registry import BOOKKEEPING, Family, Unmodelled, register
+from .heads import causal_lm_loss
+from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
 
 __all__ = ["GPT2Config", "build_gpt2", "ACTIVATIONS", "PRESETS", "HF_IDS", "ALIASES", "REQUIRED",
            "UNMODELLED", "IGNORED", "FAMILY", "SYMMEM_FIELDS"]
@@ -170,15 +171,8 @@ def build_gpt2(cfg: GPT2Config) -> Graph:
                        name="ln_f"))
     head = wte if cfg.tie_word_embeddings else g.param("lm_head.weight", (V, h))
     logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
-    # ForCausalLMLoss: logits.float(), the labels padded and shifted, then cross-entropy;
-    # its locals (the float logits, the padded labels) live until it returns
-    logits = g.add("to_float32", logits, name="logits_float")
-    padded = g.add("pad_labels", ids, name="labels_padded")
-    labels = g.add("shift_labels", padded, name="labels_shifted")
-    logp = g.add("log_softmax", logits, name="log_softmax")
-    loss = g.add("nll_loss", logp, labels, shifted=True, name="loss")
-    for value in (logits, padded):
-        g.hold(value, until=loss)
+    # transformers' ForCausalLMLoss (symmem.models.heads)
+    causal_lm_loss(g, logits, ids)
     # GPT2Model's locals, alive until it returns (after ln_f)
     for value in (positions, tok, pos, mask):
         g.hold(value, until="ln_f")
@@ -229,17 +223,12 @@ _CLASSIFIER = "read only by the classification heads; symmem models GPT2LMHeadMo
 #: step (the scale and use_cache decisions are measured in tests/test_models.py).
 IGNORED = {
     **BOOKKEEPING,
+    **TRAINING_STEP,
     "scale_attn_weights": "eager attention multiplies the scores by `scaling` either way (1.0 "
                           "when false): the same tensors",
     "scale_attn_by_inverse_layer_idx": "folded into the same `scaling` scalar: the same tensors",
     "layer_norm_epsilon": "a number inside layer norm, not a tensor",
     "initializer_range": "initialisation only",
-    "use_cache": "a training step keeps only the loss, so the KV cache goes with the output "
-                 "before backward; symmem models use_cache=False",
-    "output_attentions": "the returned tensors go with the output before backward",
-    "output_hidden_states": "the returned tensors go with the output before backward",
-    "dtype": "the weights' dtype when loading: the precision policy prices every role instead",
-    "torch_dtype": "the weights' dtype when loading: the precision policy prices every role instead",
     "chunk_size_feed_forward": "GPT-2 never chunks its feed-forward",
     "is_encoder_decoder": "GPT-2 is a decoder; read only by generation",
     "n_ctx": "an old name of n_positions that transformers no longer reads",

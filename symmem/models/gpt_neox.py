@@ -19,7 +19,8 @@ from ..errors import ConfigError, UnknownName
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, f, h, s
-from .registry import BOOKKEEPING, Family, Unmodelled, register
+from .heads import causal_lm_loss
+from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
 
 __all__ = ["GPTNeoXConfig", "build_gpt_neox", "PRESETS", "HF_IDS", "FAMILY"]
 
@@ -153,13 +154,7 @@ def build_gpt_neox(cfg: GPTNeoXConfig) -> Graph:
                                                    g.param("final_layer_norm.bias", (h,))), name="final_layer_norm"))
     head = embed if cfg.tie_word_embeddings else g.param("embed_out.weight", (V, h))
     logits = g.output(g.add("linear", x, params=(head,), name="embed_out"))
-    logits = g.add("to_float32", logits, name="logits_float")
-    padded = g.add("pad_labels", ids, name="labels_padded")
-    labels = g.add("shift_labels", padded, name="labels_shifted")
-    logp = g.add("log_softmax", logits, name="log_softmax")
-    loss = g.add("nll_loss", logp, labels, shifted=True, name="loss")
-    for value in (logits, padded):
-        g.hold(value, until=loss)
+    causal_lm_loss(g, logits, ids)
     # GPTNeoXModel's locals until it returns
     for value in ("embed_in", positions, mask, cos, sin):
         g.hold(value, until="final_layer_norm")
@@ -184,17 +179,13 @@ UNMODELLED = (Unmodelled("gradient_checkpointing", (False,), "use --recompute fu
 _ROPE = "the rotary tables' values, not their size"
 IGNORED = {
     **BOOKKEEPING,
+    **TRAINING_STEP,
     "max_position_embeddings": "rotary positions have no table: nothing sized by it",
     "rotary_emb_base": _ROPE, "rope_theta": _ROPE, "rope_scaling": _ROPE,
     "layer_norm_eps": "a number inside layer norm, not a tensor",
     "initializer_range": "initialisation only",
     "classifier_dropout": "read only by the classification heads; symmem models GPTNeoXForCausalLM",
-    "use_cache": "a training step keeps only the loss; symmem models use_cache=False",
     "is_decoder": "read only by generation",
-    "dtype": "the weights' dtype when loading: the precision policy prices every role instead",
-    "torch_dtype": "the weights' dtype when loading: the precision policy prices every role instead",
-    "output_attentions": "the returned tensors go with the output before backward",
-    "output_hidden_states": "the returned tensors go with the output before backward",
 }
 
 FAMILY = register(Family(

@@ -33,7 +33,8 @@ from ..errors import ConfigError, UnknownName
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, d_h, f, h, k, s
-from .registry import BOOKKEEPING, Family, Unmodelled, register
+from .heads import causal_lm_loss
+from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
 
 __all__ = ["LlamaConfig", "Decoder", "build_llama", "build_decoder", "check_decoder", "PRESETS", "HF_IDS", "REQUIRED", "UNMODELLED", "IGNORED", "FAMILY"]
 
@@ -234,14 +235,8 @@ def build_decoder(cfg: Decoder) -> Graph:
     x = g.output(g.add("rms_norm", x, params=(g.param("norm.weight", (h,)),), name="norm"))
     head = embed if cfg.tie else g.param("lm_head.weight", (V, h))
     logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
-    # ForCausalLMLoss, as for GPT-2: logits.float(), the labels padded and shifted, cross-entropy
-    logits = g.add("to_float32", logits, name="logits_float")
-    padded = g.add("pad_labels", ids, name="labels_padded")
-    labels = g.add("shift_labels", padded, name="labels_shifted")
-    logp = g.add("log_softmax", logits, name="log_softmax")
-    loss = g.add("nll_loss", logp, labels, shifted=True, name="loss")
-    for value in (logits, padded):
-        g.hold(value, until=loss)
+    # transformers' ForCausalLMLoss (symmem.models.heads)
+    causal_lm_loss(g, logits, ids)
     # LlamaModel's locals until it returns (after the final norm)
     for value in ("embed_tokens", positions, mask, cos, sin):
         g.hold(value, until="norm")
@@ -283,17 +278,12 @@ _ROPE = "the rotary tables' values (frequencies, scaling), not their size"
 
 IGNORED = {
     **BOOKKEEPING,
+    **TRAINING_STEP,
     "max_position_embeddings": "rotary positions have no table: nothing sized by it",
     "rope_theta": _ROPE, "rope_scaling": _ROPE, "rope_parameters": _ROPE,
     "rms_norm_eps": "a number inside RMSNorm, not a tensor",
     "initializer_range": "initialisation only",
     "pretraining_tp": "transformers 5 no longer splits the projections by it",
-    "use_cache": "a training step keeps only the loss, so the KV cache goes with the output "
-                 "before backward; symmem models use_cache=False",
-    "output_attentions": "the returned tensors go with the output before backward",
-    "output_hidden_states": "the returned tensors go with the output before backward",
-    "dtype": "the weights' dtype when loading: the precision policy prices every role instead",
-    "torch_dtype": "the weights' dtype when loading: the precision policy prices every role instead",
 }
 
 FAMILY = register(Family(

@@ -17,7 +17,8 @@ from ..errors import ConfigError, UnknownName
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, f, h, s, s_max
-from .registry import BOOKKEEPING, Family, Unmodelled, register
+from .heads import causal_lm_loss
+from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
 
 __all__ = ["OPTConfig", "build_opt", "PRESETS", "HF_IDS", "FAMILY"]
 
@@ -143,13 +144,7 @@ def build_opt(cfg: OPTConfig) -> Graph:
     x = g.output(x)
     head = embed if cfg.tie_word_embeddings else g.param("lm_head.weight", (V, h))
     logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
-    logits = g.add("to_float32", logits, name="logits_float")
-    padded = g.add("pad_labels", ids, name="labels_padded")
-    labels = g.add("shift_labels", padded, name="labels_shifted")
-    logp = g.add("log_softmax", logits, name="log_softmax")
-    loss = g.add("nll_loss", logp, labels, shifted=True, name="loss")
-    for value in (logits, padded):
-        g.hold(value, until=loss)
+    causal_lm_loss(g, logits, ids)
     # OPTDecoder's locals until it returns
     last = "decoder.final_layer_norm" if cfg.do_layer_norm_before else "layers"
     for value in ("embed_tokens", mask1, positions, causal, pos):
@@ -178,12 +173,8 @@ UNMODELLED = (
 
 IGNORED = {
     **BOOKKEEPING,
+    **TRAINING_STEP,
     "init_std": "initialisation only",
-    "use_cache": "a training step keeps only the loss; symmem models use_cache=False",
-    "output_attentions": "the returned tensors go with the output before backward",
-    "output_hidden_states": "the returned tensors go with the output before backward",
-    "dtype": "the weights' dtype when loading: the precision policy prices every role instead",
-    "torch_dtype": "the weights' dtype when loading: the precision policy prices every role instead",
     "scale_embedding": "no longer read by OPT",
 }
 

@@ -52,7 +52,7 @@ from ..symbols import L, V, a, h, s_max
 if TYPE_CHECKING:
     from ..graph import Graph
 
-__all__ = ["Family", "Unmodelled", "PresetSummary", "Registry", "DuplicateName", "BOOKKEEPING",
+__all__ = ["Family", "Unmodelled", "PresetSummary", "Registry", "DuplicateName", "BOOKKEEPING", "TRAINING_STEP",
            "REGISTRY", "PRESETS", "register", "families", "family", "preset", "preset_config",
            "hf_config", "from_hf_config", "summaries", "model_types"]
 
@@ -72,6 +72,18 @@ BOOKKEEPING: Mapping[str, str] = MappingProxyType({
     "tokenizer_class": "the tokenizer's name", "prefix": "a generation prompt",
     "id2label": "label names of classification heads", "label2id": "label names",
     "return_dict": "the type of the returned container only",
+})
+
+
+#: Keys every causal LM's config may carry that a training step does not see: what the forward
+#: returns besides the loss, and the dtype weights are loaded in. Families merge this too.
+TRAINING_STEP: Mapping[str, str] = MappingProxyType({
+    "use_cache": "a training step keeps only the loss, so the KV cache goes with the output "
+                 "before backward; symmem models use_cache=False",
+    "output_attentions": "the returned tensors go with the output before backward",
+    "output_hidden_states": "the returned tensors go with the output before backward",
+    "dtype": "the weights' dtype when loading: the precision policy prices every role instead",
+    "torch_dtype": "the weights' dtype when loading: the precision policy prices every role instead",
 })
 
 
