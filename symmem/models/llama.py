@@ -36,7 +36,8 @@ from ..symbols import L, V, a, b, d_h, f, h, k, s
 from .heads import causal_lm_loss
 from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
 
-__all__ = ["LlamaConfig", "Decoder", "build_llama", "build_decoder", "check_decoder", "PRESETS", "HF_IDS", "REQUIRED", "UNMODELLED", "IGNORED", "FAMILY"]
+__all__ = ["LlamaConfig", "Decoder", "build_llama", "build_decoder", "check_decoder", "PRESETS", "HF_IDS",
+           "REQUIRED", "UNMODELLED", "IGNORED", "FAMILY"]
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ core). What PyTorch does, measured (``tests/test_recompute_measured.py``):
   until the region's backward is over. A layer's keyword arguments (values whose node has
   ``layer_kwarg=True``: Llama's position ids, rotary tables and mask, which transformers'
   ``GradientCheckpointingLayer`` binds with ``functools.partial``) are kept as long, read by
-  the layer or not, but not through the hooks: they are not counted as saved. Python numbers saved as 0-dim tensors bypass the
-  hooks and stay (non-reentrant only: the reentrant variant runs the region under
-  ``no_grad``).
+  the layer or not, but not through the hooks: they are not counted as saved. Python
+  numbers saved as 0-dim tensors bypass the hooks and stay (non-reentrant only: the
+  reentrant variant runs the region under ``no_grad``).
 - **backward**: when backward first needs one of the region's saved tensors (the region's
   last node to have a backward), the region runs again and everything its operators save
   is made again; the recomputed tensors are released node by node as backward proceeds,
