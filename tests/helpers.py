@@ -24,3 +24,20 @@ def assert_step_exact(est, report, b, s):
     assert (predicted, ev.peak) == (report.phase_peaks, report.peak), \
         (ev.peak_point.where, report.peak_phase, report.peak_op)
     assert ev.peak_point.phase == report.peak_phase
+
+
+def assert_hf_step_exact(est, model, ids, precision, opt, b, s, impl="for-loop", params=None):
+    """A Hugging Face causal LM trained on ``ids`` (``labels=ids``; bfloat16 autocast for
+    ``bf16-mixed``) against ``est`` at (b, s): the bytes saved for backward, then the whole
+    training step (:func:`assert_step_exact`) with ``opt`` in ``impl`` over ``params`` (every
+    parameter by default)."""
+    import torch
+    from symmem.measure import saved_bytes, training_step
+    from test_gpt2_measured import optimizer
+
+    def fwd():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            return model(ids, labels=ids).loss
+    assert est.at(b=b, s=s).bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    report = training_step(model, lambda m: fwd(), optimizer(opt, impl, params or model.parameters()), extra=(ids,))
+    assert_step_exact(est, report, b, s)

@@ -10,9 +10,8 @@ transformers = pytest.importorskip("transformers")
 
 import symmem as sm  # noqa: E402
 from symmem.errors import ConfigError, UnknownName  # noqa: E402
-from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
-from helpers import assert_step_exact  # noqa: E402
-from test_gpt2_measured import optimizer  # noqa: E402
+from symmem.measure import param_bytes  # noqa: E402
+from helpers import assert_hf_step_exact  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -48,13 +47,7 @@ def test_gpt_neox_exact(point, parallel, pct, drop, attention, precision, opt):
     buffers = sum(t.untyped_storage().nbytes() for t in model.buffers())
     assert (ev.bytes["params"], ev.bytes["buffers"]) == (param_bytes(model), buffers)
     ids = torch.randint(0, V, (b, s))
-
-    def fwd():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(ids, labels=ids).loss
-    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
-    report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", model.parameters()), extra=(ids,))
-    assert_step_exact(est, report, b, s)
+    assert_hf_step_exact(est, model, ids, precision, opt, b, s)
 
 
 #: GPTNeoXForCausalLM's parameters as transformers counts them (built on the meta device from

@@ -14,9 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 import symmem as sm  # noqa: E402
 from symmem.errors import ConfigError, UnknownName  # noqa: E402
-from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
-from helpers import assert_step_exact  # noqa: E402
-from test_gpt2_measured import optimizer  # noqa: E402
+from symmem.measure import param_bytes  # noqa: E402
+from helpers import assert_hf_step_exact  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -76,13 +75,7 @@ def test_llama_exact(point, attention, precision, opt, impl):
     buffers = sum(t.untyped_storage().nbytes() for t in model.buffers())
     assert (ev.bytes["params"], ev.bytes["buffers"]) == (param_bytes(model), buffers)
     ids = torch.randint(0, V, (b, s))
-
-    def fwd():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(ids, labels=ids).loss
-    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
-    report = training_step(model, lambda m: fwd(), optimizer(opt, impl, model.parameters()), extra=(ids,))
-    assert_step_exact(est, report, b, s)
+    assert_hf_step_exact(est, model, ids, precision, opt, b, s, impl=impl)
 
 
 RECOMPUTED = [
@@ -113,13 +106,7 @@ def test_llama_recomputed_exact(point, attention, precision, opt, spec):
             layer.gradient_checkpointing = False
     est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", "for-loop", recompute=spec))
     ids = torch.randint(0, V, (b, s))
-
-    def fwd():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(ids, labels=ids).loss
-    assert est.at(b=b, s=s).bytes["activations"] == saved_bytes(fwd, exclude=model).total
-    report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", model.parameters()), extra=(ids,))
-    assert_step_exact(est, report, b, s)
+    assert_hf_step_exact(est, model, ids, precision, opt, b, s)
 
 
 def test_biases_head_dim_and_tied_head_exact():
@@ -131,11 +118,7 @@ def test_biases_head_dim_and_tied_head_exact():
     est = sm.estimate(g, sm.Policy("fp32", "adamw", "cpu", "for-loop"))
     assert sm.symbols.d_h in est.components["activations"].free_symbols
     assert est.at(b=b, s=s).bytes["params"] == param_bytes(model)
-    ids = torch.randint(0, V, (b, s))
-    fwd = lambda: model(ids, labels=ids).loss  # noqa: E731
-    assert est.at(b=b, s=s).bytes["activations"] == saved_bytes(fwd, exclude=model).total
-    report = training_step(model, lambda m: fwd(), optimizer("adamw", "for-loop", model.parameters()), extra=(ids,))
-    assert_step_exact(est, report, b, s)
+    assert_hf_step_exact(est, model, torch.randint(0, V, (b, s)), "fp32", "adamw", b, s)
 
 
 # ----------------------------------------------------------------------------- presets
@@ -226,14 +209,8 @@ def test_llama_lora_exact(precision, attention):
     ev = est.at(b=b, s=s)
     assert ev.bytes["params"] == param_bytes(model)
     ids = torch.randint(0, V, (b, s))
-
-    def fwd():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(ids, labels=ids).loss
-    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
     trainable = [p for p in model.parameters() if p.requires_grad]
-    report = training_step(model, lambda m: fwd(), optimizer("adamw", "for-loop", trainable), extra=(ids,))
-    assert_step_exact(est, report, b, s)
+    assert_hf_step_exact(est, model, ids, precision, "adamw", b, s, params=trainable)
 
 
 # ----------------------------------------------------------------------------- Mistral, Qwen2
@@ -270,13 +247,7 @@ def test_mistral_and_qwen2_exact(family, point, attention, precision, opt):
     ev = est.at(b=b, s=s)
     assert ev.bytes["params"] == param_bytes(model)
     ids = torch.randint(0, V, (b, s))
-
-    def fwd():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(ids, labels=ids).loss
-    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
-    report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", model.parameters()), extra=(ids,))
-    assert_step_exact(est, report, b, s)
+    assert_hf_step_exact(est, model, ids, precision, opt, b, s)
 
 
 @pytest.mark.parametrize("name,count", [("mistral-7b", 7_241_732_096), ("mistral-7b-v0.3", 7_248_023_552),

@@ -9,9 +9,8 @@ transformers = pytest.importorskip("transformers")
 
 import symmem as sm  # noqa: E402
 from symmem.errors import ConfigError, UnknownName  # noqa: E402
-from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
-from helpers import assert_step_exact  # noqa: E402
-from test_gpt2_measured import optimizer  # noqa: E402
+from symmem.measure import param_bytes  # noqa: E402
+from helpers import assert_hf_step_exact  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -54,13 +53,7 @@ def test_opt_exact(point, pre, attention, precision, opt):
     ev = est.at(b=b, s=s)
     assert ev.bytes["params"] == param_bytes(model)
     ids = torch.randint(3, V, (b, s))
-
-    def fwd():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(ids, labels=ids).loss
-    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
-    report = training_step(model, lambda m: fwd(), optimizer(opt, "for-loop", model.parameters()), extra=(ids,))
-    assert_step_exact(est, report, b, s)
+    assert_hf_step_exact(est, model, ids, precision, opt, b, s)
 
 
 #: OPTForCausalLM's parameters as transformers counts them (built on the meta device from the

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError, UnknownName
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, f, h, s, s_max
+from . import checks
 from .heads import causal_lm_loss
 from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
 
@@ -70,25 +70,13 @@ class GPT2Config:
     name: str = "gpt2"
 
     def __post_init__(self):
-        for key in ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions"):
-            _positive_int(key, getattr(self, key))
-        if self.n_inner is not None:
-            _positive_int("n_inner", self.n_inner)
-        if self.n_embd % self.n_head:
-            raise ConfigError("n_embd", self.n_embd,
-                              f"a multiple of the number of attention heads n_head ({self.n_head})",
-                              "Change n_embd or n_head so that n_embd / n_head is an integer.")
-        if self.activation_function not in ACTIVATIONS:
-            raise UnknownName("activation_function", self.activation_function, tuple(ACTIVATIONS))
-        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
-            p = getattr(self, key)
-            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-                raise ConfigError(key, p, "a dropout probability in [0, 1)")
-        for key in ("tie_word_embeddings", "shared_qkv"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(key, getattr(self, key), "true or false")
-        if self.attn_implementation is not None and self.attn_implementation not in HF_NAMES:
-            raise UnknownName("attn_implementation", self.attn_implementation, tuple(HF_NAMES))
+        checks.positive_ints(self, "n_embd", "n_layer", "n_head", "vocab_size", "n_positions", optional=("n_inner",))
+        checks.heads_divide("n_embd", self.n_embd, self.n_head,
+                            "Change n_embd or n_head so that n_embd / n_head is an integer.", heads_key="n_head")
+        checks.known("activation_function", self.activation_function, ACTIVATIONS)
+        checks.probabilities(self, "resid_pdrop", "embd_pdrop", "attn_pdrop")
+        checks.booleans(self, "tie_word_embeddings", "shared_qkv")
+        checks.attn_implementation(self)
 
     def bindings(self) -> dict:
         out = {h: self.n_embd, L: self.n_layer, a: self.n_head, V: self.vocab_size,
@@ -96,11 +84,6 @@ class GPT2Config:
         if self.n_inner is not None:
             out[f] = self.n_inner
         return out
-
-
-def _positive_int(key, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(key, value, "a positive integer")
 
 
 def build_gpt2(cfg: GPT2Config) -> Graph:

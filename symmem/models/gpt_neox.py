@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from ..errors import ConfigError, UnknownName
+from ..errors import ConfigError
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, f, h, s
+from . import checks
 from .heads import causal_lm_loss
 from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
 
@@ -49,16 +50,11 @@ class GPTNeoXConfig:
     name: str = "gpt_neox"
 
     def __post_init__(self):
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(key, value, "a positive integer")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError("hidden_size", self.hidden_size,
-                              f"a multiple of the number of attention heads ({self.num_attention_heads})",
-                              "transformers refuses it too (validate_architecture).")
-        if self.hidden_act not in ACTIVATIONS:
-            raise UnknownName("hidden_act", self.hidden_act, tuple(ACTIVATIONS))
+        checks.positive_ints(self, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                             "vocab_size")
+        checks.heads_divide("hidden_size", self.hidden_size, self.num_attention_heads,
+                            "transformers refuses it too (validate_architecture).")
+        checks.known("hidden_act", self.hidden_act, ACTIVATIONS)
         factor = self.rotary_factor
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
             raise ConfigError("partial_rotary_factor", factor, "a fraction of the head dimension in (0, 1]")
@@ -66,15 +62,9 @@ class GPTNeoXConfig:
         if rotated != int(rotated) or int(rotated) % 2:
             raise ConfigError("partial_rotary_factor", factor, "a fraction that rotates an even whole number of the "
                               f"head's {self.hidden_size // self.num_attention_heads} dimensions")
-        for key in ("attention_dropout", "hidden_dropout"):
-            p = getattr(self, key)
-            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-                raise ConfigError(key, p, "a dropout probability in [0, 1)")
-        for key in ("use_parallel_residual", "attention_bias", "tie_word_embeddings"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(key, getattr(self, key), "true or false")
-        if self.attn_implementation is not None and self.attn_implementation not in HF_NAMES:
-            raise UnknownName("attn_implementation", self.attn_implementation, tuple(HF_NAMES))
+        checks.probabilities(self, "attention_dropout", "hidden_dropout")
+        checks.booleans(self, "use_parallel_residual", "attention_bias", "tie_word_embeddings")
+        checks.attn_implementation(self)
 
     @property
     def rotary_factor(self) -> float:

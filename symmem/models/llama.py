@@ -29,10 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError, UnknownName
+from ..errors import ConfigError
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, d_h, f, h, k, s
+from . import checks
 from .heads import causal_lm_loss
 from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
 
@@ -78,39 +79,23 @@ class LlamaConfig:
         return self.decoder().bindings()
 
 
-def _positive_int(key, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(key, value, "a positive integer")
-
-
 def check_decoder(cfg, flags=()) -> None:
     """Validate a Llama-type config by transformers' key names (Llama, Mistral and Qwen2 share
     them): sizes positive, heads dividing the hidden size, kv heads dividing the heads, the
     activation silu, a dropout probability, booleans ``flags`` and ``tie_word_embeddings``."""
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        _positive_int(key, getattr(cfg, key))
-    for key in ("num_key_value_heads", "head_dim", "sliding_window"):
-        if getattr(cfg, key, None) is not None:
-            _positive_int(key, getattr(cfg, key))
-    if cfg.hidden_size % cfg.num_attention_heads:
-        raise ConfigError("hidden_size", cfg.hidden_size,
-                          f"a multiple of the number of attention heads ({cfg.num_attention_heads})",
-                          "transformers refuses it too (validate_architecture).")
+    checks.positive_ints(cfg, "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "vocab_size", optional=("num_key_value_heads", "head_dim", "sliding_window"))
+    checks.heads_divide("hidden_size", cfg.hidden_size, cfg.num_attention_heads,
+                        "transformers refuses it too (validate_architecture).")
     kv = cfg.num_key_value_heads or cfg.num_attention_heads
     if cfg.num_attention_heads % kv:
         raise ConfigError("num_key_value_heads", kv,
                           f"a divisor of the number of attention heads ({cfg.num_attention_heads})",
                           "Each key/value head serves a whole group of query heads.")
-    if cfg.hidden_act != "silu":
-        raise UnknownName("hidden_act", cfg.hidden_act, ("silu",))
-    p = cfg.attention_dropout
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-        raise ConfigError("attention_dropout", p, "a dropout probability in [0, 1)")
-    for key in (*flags, "tie_word_embeddings"):
-        if not isinstance(getattr(cfg, key), bool):
-            raise ConfigError(key, getattr(cfg, key), "true or false")
-    if cfg.attn_implementation is not None and cfg.attn_implementation not in HF_NAMES:
-        raise UnknownName("attn_implementation", cfg.attn_implementation, tuple(HF_NAMES))
+    checks.known("hidden_act", cfg.hidden_act, ("silu",))
+    checks.probabilities(cfg, "attention_dropout")
+    checks.booleans(cfg, *flags, "tie_word_embeddings")
+    checks.attn_implementation(cfg)
 
 
 @dataclass(frozen=True)

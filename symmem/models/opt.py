@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError, UnknownName
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, f, h, s, s_max
+from . import checks
 from .heads import causal_lm_loss
 from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
 
@@ -43,26 +43,15 @@ class OPTConfig:
     name: str = "opt"
 
     def __post_init__(self):
-        for key in ("hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads", "vocab_size",
-                    "max_position_embeddings"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(key, value, "a positive integer")
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError("hidden_size", self.hidden_size,
-                              f"a multiple of the number of attention heads ({self.num_attention_heads})",
-                              "transformers refuses it too (OPTAttention).")
-        if self.activation_function != "relu":
-            raise UnknownName("activation_function", self.activation_function, ("relu",))
-        for key in ("dropout", "attention_dropout"):
-            p = getattr(self, key)
-            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-                raise ConfigError(key, p, "a dropout probability in [0, 1)")
-        for key in ("do_layer_norm_before", "enable_bias", "layer_norm_elementwise_affine", "tie_word_embeddings"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(key, getattr(self, key), "true or false")
-        if self.attn_implementation is not None and self.attn_implementation not in HF_NAMES:
-            raise UnknownName("attn_implementation", self.attn_implementation, tuple(HF_NAMES))
+        checks.positive_ints(self, "hidden_size", "num_hidden_layers", "ffn_dim", "num_attention_heads", "vocab_size",
+                             "max_position_embeddings")
+        checks.heads_divide("hidden_size", self.hidden_size, self.num_attention_heads,
+                            "transformers refuses it too (OPTAttention).")
+        checks.known("activation_function", self.activation_function, ("relu",))
+        checks.probabilities(self, "dropout", "attention_dropout")
+        checks.booleans(self, "do_layer_norm_before", "enable_bias", "layer_norm_elementwise_affine",
+                        "tie_word_embeddings")
+        checks.attn_implementation(self)
 
     def bindings(self) -> dict:
         return {h: self.hidden_size, L: self.num_hidden_layers, a: self.num_attention_heads,
