@@ -18,7 +18,8 @@ from .errors import UnknownName
 
 __all__ = [
     "SymbolInfo", "TABLE", "symbol", "latex_names",
-    "b", "s", "h", "a", "L", "V", "f", "k", "d_h", "s_max", "r", "G", "g", "t", "d", "M", "R",
+    "b", "s", "h", "a", "L", "V", "f", "k", "d_h", "s_max", "r", "G", "g", "t", "d",
+    "E", "K", "s_d", "n_b", "s_w", "H", "W", "C", "P", "n_c", "M", "R",
     "B_w", "B_g", "B_m", "B_o", "B_a",
     "DIMENSIONS", "BYTE_SYMBOLS",
 ]
@@ -55,6 +56,16 @@ _INFOS = [
     _dim("g", "g", "gradient-accumulation steps (micro-batches per optimizer step)"),
     _dim("t", "t", "tensor-parallel degree"),
     _dim("d", "d", "data-parallel degree"),
+    _dim("E", "E", "experts of a mixture-of-experts layer (num_local_experts)"),
+    _dim("K", "K", "experts each token is routed to (top-k)"),
+    _dim("s_d", "s_{d}", "decoder (target) sequence length of an encoder-decoder model"),
+    _dim("n_b", "n_{b}", "relative-position buckets (T5's relative_attention_num_buckets)"),
+    _dim("s_w", "s_{w}", "sliding-window length of attention"),
+    _dim("H", "H", "image height in pixels"),
+    _dim("W", "W", "image width in pixels"),
+    _dim("C", "C", "image channels"),
+    _dim("P", "P", "patch size in pixels (a ViT patch is P x P)"),
+    _dim("n_c", "n_{c}", "classes of a classification head"),
     _bytes("B_w", r"B_{w}", "bytes per weight element"),
     _bytes("B_g", r"B_{g}", "bytes per gradient element"),
     _bytes("B_m", r"B_{m}", "bytes per master-weight element"),
@@ -71,10 +82,12 @@ TABLE: dict[str, SymbolInfo] = {i.symbol.name: i for i in _INFOS}
 b, s, h, a, L, V, f, k, d_h, s_max, r = (
     TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "d_h", "s_max", "r"))
 G, g, t, d = (TABLE[n].symbol for n in ("G", "g", "t", "d"))
+E, K, s_d, n_b, s_w, H, W, C, P, n_c = (
+    TABLE[n].symbol for n in ("E", "K", "s_d", "n_b", "s_w", "H", "W", "C", "P", "n_c"))
 B_w, B_g, B_m, B_o, B_a = (TABLE[n].symbol for n in ("B_w", "B_g", "B_m", "B_o", "B_a"))
 M, R = TABLE["M"].symbol, TABLE["R"].symbol
 
-DIMENSIONS = (b, s, h, a, L, V, f, k, d_h, s_max, r, G, g, t, d)
+DIMENSIONS = (b, s, h, a, L, V, f, k, d_h, s_max, r, G, g, t, d, E, K, s_d, n_b, s_w, H, W, C, P, n_c)
 BYTE_SYMBOLS = (B_w, B_g, B_m, B_o, B_a)
 
 
