@@ -18,7 +18,7 @@ from .errors import UnknownName
 
 __all__ = [
     "SymbolInfo", "TABLE", "symbol", "latex_names",
-    "b", "s", "h", "a", "L", "V", "f", "k", "d_h", "s_max", "r", "G", "g", "t", "d",
+    "b", "s", "h", "a", "L", "V", "f", "k", "d_h", "d_e", "s_max", "r", "G", "g", "t", "d",
     "E", "K", "s_d", "n_b", "s_w", "H", "W", "C", "P", "n_c", "M", "R",
     "B_w", "B_g", "B_m", "B_o", "B_a",
     "DIMENSIONS", "BYTE_SYMBOLS",
@@ -50,6 +50,7 @@ _INFOS = [
     _dim("f", "f", "feed-forward (MLP) width"),
     _dim("k", "k", "key/value heads"),
     _dim("d_h", "d_{h}", "attention head dimension, where a config sets one other than h/a"),
+    _dim("d_e", "d_{e}", "embedding width, where a config sets one other than h (OPT's word_embed_proj_dim)"),
     _dim("s_max", r"s_{\max}", "maximum positions (rows of the position embedding)"),
     _dim("r", "r", "LoRA adapter rank"),
     _dim("G", "G", "global batch (sequences per optimizer step, per data-parallel rank)"),
@@ -79,15 +80,15 @@ _INFOS = [
 #: name -> SymbolInfo, in a fixed, documented order.
 TABLE: dict[str, SymbolInfo] = {i.symbol.name: i for i in _INFOS}
 
-b, s, h, a, L, V, f, k, d_h, s_max, r = (
-    TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "d_h", "s_max", "r"))
+b, s, h, a, L, V, f, k, d_h, d_e, s_max, r = (
+    TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "d_h", "d_e", "s_max", "r"))
 G, g, t, d = (TABLE[n].symbol for n in ("G", "g", "t", "d"))
 E, K, s_d, n_b, s_w, H, W, C, P, n_c = (
     TABLE[n].symbol for n in ("E", "K", "s_d", "n_b", "s_w", "H", "W", "C", "P", "n_c"))
 B_w, B_g, B_m, B_o, B_a = (TABLE[n].symbol for n in ("B_w", "B_g", "B_m", "B_o", "B_a"))
 M, R = TABLE["M"].symbol, TABLE["R"].symbol
 
-DIMENSIONS = (b, s, h, a, L, V, f, k, d_h, s_max, r, G, g, t, d, E, K, s_d, n_b, s_w, H, W, C, P, n_c)
+DIMENSIONS = (b, s, h, a, L, V, f, k, d_h, d_e, s_max, r, G, g, t, d, E, K, s_d, n_b, s_w, H, W, C, P, n_c)
 BYTE_SYMBOLS = (B_w, B_g, B_m, B_o, B_a)
 
 

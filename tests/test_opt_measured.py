@@ -22,14 +22,17 @@ CASES = [
     ((2, 8, 128, 512, 4, 3, 20), False, "eager", "bf16-mixed", "adamw"),
     ((2, 8, 128, 512, 4, 3, 20), True, "sdpa", "bf16", "adamw"),
     ((1, 16, 64, 128, 4, 2, 50), False, "eager", "fp32", "sgd"),
+    # OPT 350m's shape: embeddings and head 16 wide, projected in and out of 32-wide layers
+    ((2, 16, 32, 64, 4, 2, 100, 16), False, "sdpa", "bf16-mixed", "adamw"),
+    ((2, 8, 32, 64, 4, 2, 100, 48), True, "eager", "fp32", "sgd"),
 ]
 
 
 def hf_opt(point, pre, attention):
-    b, s, h, f, a, L, V = point
+    b, s, h, f, a, L, V, *proj = point
     torch.manual_seed(0)
     cfg = transformers.OPTConfig(hidden_size=h, ffn_dim=f, num_attention_heads=a, num_hidden_layers=L,
-                                 vocab_size=V, max_position_embeddings=64, word_embed_proj_dim=h,
+                                 vocab_size=V, max_position_embeddings=64, word_embed_proj_dim=proj[0] if proj else h,
                                  do_layer_norm_before=pre, attn_implementation=attention, use_cache=False,
                                  pad_token_id=1, bos_token_id=2, eos_token_id=2)
     model = transformers.OPTForCausalLM(cfg)
@@ -38,15 +41,16 @@ def hf_opt(point, pre, attention):
 
 
 @pytest.mark.parametrize("point,pre,attention,precision,opt", CASES,
-                         ids=[f"b{p[0]}-h{p[2]}-{'pre' if pre else 'post'}-{at}-{pr}-{o}"
+                         ids=[f"b{p[0]}-h{p[2]}-{'pre' if pre else 'post'}-{at}-{pr}-{o}" + (f"-e{p[7]}" if p[7:] else "")
                               for p, pre, at, pr, o in CASES])
 def test_opt_exact(point, pre, attention, precision, opt):
-    b, s, h, f, a, L, V = point
+    b, s, h, f, a, L, V, *proj = point
     cfg, model = hf_opt(point, pre, attention)
     if precision == "bf16":
         model.to(torch.bfloat16)
     config = {**cfg.to_dict(), "attn_implementation": attention}
-    del config["word_embed_proj_dim"]       # the hidden size here: no projection
+    if not proj:
+        del config["word_embed_proj_dim"]   # the hidden size here: no projection
     est = sm.estimate(sm.models.from_hf_config(config), sm.Policy(precision, opt, "cpu", "for-loop"))
     if b == 1:
         est = est.at_one
@@ -56,9 +60,14 @@ def test_opt_exact(point, pre, attention, precision, opt):
     assert_hf_step_exact(est, model, ids, precision, opt, b, s)
 
 
+#: OPT 350m: token embeddings 50272*512 = 25,739,264, positions 2050*1024 = 2,099,200, project_in
+#: and project_out 2*512*1024 = 1,048,576, 24 post-norm layers of 4*(1024^2 + 1024) + 2*1024*4096
+#: + 4096 + 1024 + 4*1024 = 12,596,224 (302,309,376), no final norm, the head tied.
+OPT_350M = 25_739_264 + 2_099_200 + 1_048_576 + 302_309_376
+
 #: OPTForCausalLM's parameters as transformers counts them (built on the meta device from the
 #: presets' configs)
-COUNTS = {"opt-125m": 125_239_296, "opt-1.3b": 1_315_758_080, "opt-6.7b": 6_658_473_984,
+COUNTS = {"opt-125m": 125_239_296, "opt-350m": OPT_350M, "opt-1.3b": 1_315_758_080, "opt-6.7b": 6_658_473_984,
           "opt-66b": 65_719_701_504}
 
 
@@ -71,7 +80,7 @@ def test_opt_preset_counts(name):
 
 
 @pytest.mark.parametrize("changes,words", [
-    ({"word_embed_proj_dim": 16}, "word_embed_proj_dim = 16 is not valid"),
+    ({"word_embed_proj_dim": 0}, "word_embed_proj_dim = 0 is not valid"),
     ({"activation_function": "gelu"}, "unknown activation_function 'gelu'"),
     ({"num_attention_heads": 5}, "hidden_size = 32 is not valid: expected a multiple of the number of attention "
                                  "heads (5)"),

@@ -6,8 +6,10 @@ no embedding dropout; per layer a layer norm before (``do_layer_norm_before``, e
 350m) or after each residual, separate q, k, v projections with biases (the query scaled by
 ``head_dim ** -0.5`` as a Python number), the attention core (softmax in float32, cast to the
 query's dtype), ``out_proj``, dropout, the residual; ``fc1``, ReLU, ``fc2``, dropout, the
-residual; a final layer norm; the head tied to the embeddings. ``word_embed_proj_dim`` other
-than the hidden size (350m's ``project_in``/``project_out``) is refused.
+residual; a final layer norm; the head tied to the embeddings. Where ``word_embed_proj_dim``
+(the symbol ``d_e``) differs from the hidden size (OPT 350m: 512 against 1024), the embeddings and
+the head are d_e wide and two linear maps without bias join them to the layers:
+``project_in`` after the positions are made, ``project_out`` after the final norm.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
-from ..symbols import L, V, a, b, f, h, s, s_max
+from ..symbols import L, V, a, b, d_e, f, h, s, s_max
 from . import checks
 from .heads import causal_lm_loss
 from .registry import BOOKKEEPING, TRAINING_STEP, Family, Unmodelled, register
@@ -32,6 +34,7 @@ class OPTConfig:
     num_attention_heads: int = 12
     vocab_size: int = 50272
     max_position_embeddings: int = 2048
+    word_embed_proj_dim: int | None = None
     do_layer_norm_before: bool = True
     dropout: float = 0.1
     attention_dropout: float = 0.0
@@ -53,9 +56,20 @@ class OPTConfig:
                         "tie_word_embeddings")
         checks.attn_implementation(self)
 
+        if self.word_embed_proj_dim is not None:
+            checks.positive_ints(self, "word_embed_proj_dim")
+
+    @property
+    def projected(self) -> bool:
+        """Whether the embeddings are narrower or wider than the layers (OPT 350m)."""
+        return self.word_embed_proj_dim not in (None, self.hidden_size)
+
     def bindings(self) -> dict:
-        return {h: self.hidden_size, L: self.num_hidden_layers, a: self.num_attention_heads,
-                V: self.vocab_size, f: self.ffn_dim, s_max: self.max_position_embeddings}
+        out = {h: self.hidden_size, L: self.num_hidden_layers, a: self.num_attention_heads,
+               V: self.vocab_size, f: self.ffn_dim, s_max: self.max_position_embeddings}
+        if self.projected:
+            out[d_e] = self.word_embed_proj_dim
+        return out
 
 
 def build_opt(cfg: OPTConfig) -> Graph:
@@ -67,8 +81,9 @@ def build_opt(cfg: OPTConfig) -> Graph:
                         "position embedding (less its offset of 2)")
     g.require(a, h, "the attention heads split the hidden size evenly", kind="divides")
     affine, bias = cfg.layer_norm_elementwise_affine, cfg.enable_bias
+    width = d_e if cfg.projected else h
     ids = g.input("input_ids", (b, s))
-    embed = g.param("embed_tokens.weight", (V, h))
+    embed = g.param("embed_tokens.weight", (V, width))
     x = g.add("embedding", ids, params=(embed,), name="embed_tokens")
     # OPTDecoder: a float mask of ones, the position ids cumsum(mask) * mask - 1, then + 2
     mask1 = g.add("ones_like_ids", ids, name="position_attention_mask")
@@ -77,6 +92,9 @@ def build_opt(cfg: OPTConfig) -> Graph:
     shifted = g.add("offset_ids", positions, offset=2, name="embed_positions/ids")
     pos = g.add("embedding", shifted, params=(g.param("embed_positions.weight", (s_max + 2, h)),),
                 name="embed_positions")
+    if cfg.projected:
+        x = g.add("linear", x, params=(g.param("project_in.weight", (h, d_e)),), name="project_in")
+    embeds = x
     x = g.add("add", x, pos, name="embed")
 
     def block(g: Graph, x: str) -> str:
@@ -130,13 +148,15 @@ def build_opt(cfg: OPTConfig) -> Graph:
         params = ((g.param("decoder.final_layer_norm.weight", (h,)), g.param("decoder.final_layer_norm.bias", (h,)))
                   if affine else ())
         x = g.add("layer_norm", x, params=params, name="decoder.final_layer_norm")
+    if cfg.projected:
+        x = g.add("linear", x, params=(g.param("project_out.weight", (d_e, h)),), name="project_out")
     x = g.output(x)
-    head = embed if cfg.tie_word_embeddings else g.param("lm_head.weight", (V, h))
+    head = embed if cfg.tie_word_embeddings else g.param("lm_head.weight", (V, width))
     logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
     causal_lm_loss(g, logits, ids)
     # OPTDecoder's locals until it returns
     last = "decoder.final_layer_norm" if cfg.do_layer_norm_before else "layers"
-    for value in ("embed_tokens", mask1, positions, causal, pos):
+    for value in (embeds, mask1, positions, causal, pos):
         g.hold(value, until=last)
     return g
 
@@ -146,15 +166,15 @@ def _opt(name, h_, L_, a_, f_=None):
 
 
 #: Meta's OPT checkpoints (Zhang et al. 2022, Table 1) as their config.json files give them.
-PRESETS = {"opt-125m": _opt("opt-125m", 768, 12, 12), "opt-1.3b": _opt("opt-1.3b", 2048, 24, 32),
+PRESETS = {"opt-125m": _opt("opt-125m", 768, 12, 12),
+           "opt-350m": OPTConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, ffn_dim=4096,
+                                 word_embed_proj_dim=512, do_layer_norm_before=False, name="opt-350m"),
+           "opt-1.3b": _opt("opt-1.3b", 2048, 24, 32),
            "opt-6.7b": _opt("opt-6.7b", 4096, 32, 32), "opt-66b": _opt("opt-66b", 9216, 64, 72)}
-HF_IDS = {"opt-125m": "facebook/opt-125m", "opt-1.3b": "facebook/opt-1.3b", "opt-6.7b": "facebook/opt-6.7b",
+HF_IDS = {"opt-125m": "facebook/opt-125m", "opt-350m": "facebook/opt-350m", "opt-1.3b": "facebook/opt-1.3b", "opt-6.7b": "facebook/opt-6.7b",
           "opt-66b": "facebook/opt-66b"}
 
 UNMODELLED = (
-    Unmodelled("word_embed_proj_dim", (None,),
-               "a projection in and out of a narrower embedding (OPT 350m's project_in, project_out)",
-               "Remove the key, or set it to the hidden size."),
     Unmodelled("layerdrop", (0.0, 0), "layers skipped at random in training: a random number of layers"),
     Unmodelled("_remove_final_layer_norm", (False,), "an old checkpoint format without the final norm"),
     Unmodelled("gradient_checkpointing", (False,), "use --recompute full"),
