@@ -260,14 +260,32 @@ def test_mistral_and_qwen2_preset_counts(name, count):
     assert sm.estimate(name, sm.Policy("fp32", "sgd")).at(b=1, s=128).bytes["params"] == 4 * count
 
 
-def test_a_sequence_beyond_the_sliding_window_is_refused():
+def test_a_sequence_beyond_the_sliding_window_is_refused_with_sdpa():
     """Mistral 7B v0.1's window is 4096 tokens: at s = 4096 transformers materialises the
-    window's mask, which is not modelled."""
+    window's mask for SDPA (a float copy saved, k and v repeated), which is not modelled; eager
+    attention builds the same mask either way."""
     est = sm.estimate("mistral-7b", sm.Policy("bf16-mixed"))
     assert est.at(b=1, s=4095).peak > 0
     with pytest.raises(sm.errors.SymmemError) as e:
         est.at(b=1, s=4096)
-    assert "sliding window (4096)" in str(e.value)
+    assert "sliding window (4096)" in str(e.value) and "--attention eager" in str(e.value)
+    assert sm.estimate("mistral-7b", sm.Policy("bf16-mixed", attention="eager")).at(b=1, s=8192).peak > 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_mistral_eager_beyond_its_window_exact(precision):
+    """A window of 8 under a sequence of 16, grouped-query, eager: transformers' mask is the same
+    (2, 1, 16, 16) float tensor as the causal one, with the window's values; the whole step exact."""
+    b, s, h, f, a, k, L, V = POINTS[0][:5] + (2,) + POINTS[0][6:]
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(hidden_size=h, intermediate_size=f, num_attention_heads=a, num_key_value_heads=k,
+                                     num_hidden_layers=L, vocab_size=V, attn_implementation="eager", use_cache=False,
+                                     sliding_window=8, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    model = transformers.MistralForCausalLM(cfg)
+    model.train()
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, "adamw", "cpu", "for-loop"))
+    ids = torch.randint(0, V, (b, s))
+    assert_hf_step_exact(est, model, ids, precision, "adamw", b, s)
 
 
 def test_qwen2_sliding_window_is_refused():

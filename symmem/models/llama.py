@@ -145,10 +145,6 @@ def build_decoder(cfg: Decoder) -> Graph:
     d = d_h if cfg.own_head_dim else h / a
     g.require(a, h, "the attention heads split the hidden size evenly", kind="divides")
     g.require(k, a, "each key/value head serves a whole group of query heads", kind="divides")
-    if cfg.window is not None:
-        g.require(s, cfg.window - 1, f"the sequence is shorter than the sliding window ({cfg.window}): "
-                                     "transformers then uses the causal mask (SDPA's is_causal); a longer one "
-                                     "materialises the sliding-window mask, which symmem does not model")
     ids = g.input("input_ids", (b, s))
     embed = g.param("embed_tokens.weight", (V, h))
     x = g.add("embedding", ids, params=(embed,), name="embed_tokens")
@@ -192,7 +188,7 @@ def build_decoder(cfg: Decoder) -> Graph:
         with g.scope(recompute="attention"):
             z = g.add("attention", q, key, v, mask, dropout=cfg.dropout, causal=True, groups=a / k,
                       probs_like="query", softmax_float32=True, weights_until="layers/mlp/residual",
-                      returns_after="layers/self_attn/merge",
+                      returns_after="layers/self_attn/merge", window=cfg.window,
                       name="layers/self_attn/context")
         z = g.add("merge_heads", z, name="layers/self_attn/merge")
         z = linear("self_attn.o_proj", z, a * d, h, cfg.o_bias)

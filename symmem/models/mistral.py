@@ -2,10 +2,11 @@
 
 transformers 5's ``modeling_mistral.py`` is Llama's decoder (:func:`~symmem.models.llama.build_decoder`)
 without biases and with a sliding window of attention (``sliding_window``, 4096 in Mistral 7B
-v0.1, none from v0.3). A sequence shorter than the window attends causally as Llama does
-(``create_sliding_window_causal_mask`` returns no mask, SDPA's ``is_causal``); the formulas
-require it (``s < sliding_window``, in ``est.requirements``): a longer one materialises the
-window's mask, which symmem does not model yet.
+v0.1, none from v0.3). Eager attention gets the same (b, 1, s, s) float mask whatever the
+window (its values differ). SDPA gets no mask and ``is_causal`` while the sequence is shorter
+than the window (``create_sliding_window_causal_mask`` returns None), which the formulas of
+every kernel but eager require (``s < sliding_window``, in ``est.requirements``, from the
+attention pass): a longer one materialises the window's mask, which is not modelled yet.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ HF_IDS = {"mistral-7b": "mistralai/Mistral-7B-v0.1", "mistral-7b-v0.3": "mistral
 FAMILY = register(Family(
     name="mistral",
     description="Mistral as Hugging Face's MistralForCausalLM runs it (Llama's decoder, no biases, a "
-                "sliding window longer than the sequence)",
+                "sliding window: eager at any length, SDPA below it)",
     config=MistralConfig,
     build=build_mistral,
     model_types=("mistral",),

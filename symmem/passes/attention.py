@@ -37,7 +37,8 @@ __all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS"]
 
 #: The attention node's own attributes (the others are scope attributes its replacement keeps;
 #: it adds ``attention_kernel``, the kernel that made it).
-OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32", "returns_after")
+OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32", "returns_after",
+             "window")
 
 
 def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple[str, tuple]:
@@ -68,6 +69,8 @@ def prepare(graph: Graph, policy) -> Graph:
         ctx = base.float32() if node.attr("fp32") else base        # a module kept in float32
         kernel, head_needs = kernel_of(policy, ctx.act_name, p, d.xreplace(graph.bindings), graph.attention)
         needs.extend(n.requirement(d) for n in head_needs)
+        if node.attr("window") is not None and kernel != "eager":
+            needs.append(_window_requirement(sub.shape(q)[-2], node.attr("window")))
         scope = {key: value for key, value in node.attrs if key not in OWN_ATTRS}
         with sub.scope(**scope, attention_kernel=kernel):
             KERNELS[kernel](node, sub, ctx)
@@ -77,6 +80,18 @@ def prepare(graph: Graph, policy) -> Graph:
     for lhs, rhs, reason, kind in dict.fromkeys(needs):
         out.require(lhs, rhs, reason, kind=kind)
     return out
+
+
+def _window_requirement(seq, window) -> tuple:
+    """A sliding window (``window``: its length) changes nothing eager allocates: transformers
+    builds the same (b, 1, s, s) float mask with other values (measured). The other kernels get
+    no mask and ``is_causal`` only while the sequence is shorter than the window; from s =
+    window on, ``sdpa_mask`` materialises a boolean mask, SDPA converts it to a float copy that
+    it saves, and transformers repeats k and v instead of passing ``enable_gqa``: not modelled,
+    so a requirement."""
+    return (seq, window - 1, f"the sequence is shorter than the sliding window ({window}): transformers then "
+                             "calls SDPA with is_causal and no mask; a longer one materialises the window's "
+                             "mask, which symmem models for eager attention only (--attention eager)", "at most")
 
 
 def kernels(graph: Graph) -> tuple[str, ...]:
