@@ -54,6 +54,52 @@ def _prune(points: list[Point]) -> list[Point]:
     return [points[i] for i in prune([p.total for p in points])]
 
 
+#: Bytes from which int64 arithmetic may have wrapped (or float64 rounded): points whose
+#: float64 value reaches it are recomputed with exact integers.
+EXACT_FROM = 2 ** 53
+
+
+def _magnitude_bound(exprs, syms) -> list | None:
+    """One compiled function bounding, at positive inputs, every intermediate value of every
+    expression in ``exprs``: the polynomial whose coefficient of each monomial is the largest
+    absolute coefficient any of them has (each product and partial sum int64 computes is at
+    most it), a ceiling taken as its argument + 1, a floor as its argument and a Max or Min as
+    the sum of its arguments. None when some expression is still not a polynomial in ``syms``:
+    then the expressions themselves are evaluated in float64."""
+    coeffs: dict = {}
+    try:
+        for e in exprs:
+            e = e.replace(sp.ceiling, lambda x: x + 1).replace(sp.floor, lambda x: x)
+            e = e.replace(sp.Max, lambda *xs: sp.Add(*xs)).replace(sp.Min, lambda *xs: sp.Add(*xs))
+            for monom, c in sp.Poly(e, *syms).terms():
+                coeffs[monom] = max(coeffs.get(monom, 0), abs(c))
+    except (sp.PolynomialError, sp.GeneratorsNeeded):
+        return None
+    poly = sp.Add(*(c * sp.Mul(*(x ** n for x, n in zip(syms, monom))) for monom, c in coeffs.items()))
+    return [sp.lambdify(syms, poly, "numpy")]
+
+
+def _beyond_int64(out, fns, exprs, syms, args, shape):
+    """``out`` (the int64 evaluation of ``exprs``) with each point whose bytes may not fit in 64
+    bits recomputed exactly: ``fns`` evaluated in float64 (the expressions, or a bound of their
+    intermediate values, :func:`_magnitude_bound`) find them (>= 2**53, where int64's
+    products may have wrapped and float64 no longer holds every integer), and the exact
+    maximum over ``exprs`` replaces them, as Python integers (the array becomes one of
+    objects). Memory formulas stay far below 2**53 bytes (8 PiB) in practice."""
+    import numpy as np
+    floats = [x.astype(np.float64) for x in args]
+    approx = np.maximum.reduce([np.broadcast_to(fn(*floats), shape) for fn in fns])
+    far = ~(np.abs(approx) < EXACT_FROM)
+    if not far.any():
+        return out
+    out = np.array(out, dtype=object)
+    values = [np.broadcast_to(x, shape) for x in args]
+    for i in map(tuple, np.argwhere(far)):
+        point = {x: sp.Integer(int(v[i])) for x, v in zip(syms, values)}
+        out[i] = max(int(sp.ceiling(e.xreplace(point))) for e in exprs)
+    return out
+
+
 def _check_whole(names, arrays) -> None:
     """Every value a whole number >= 1 (integers, or floats such as 2.0), else the
     ConfigError that :meth:`Estimate.at` raises, for the first value that is not."""
@@ -228,8 +274,10 @@ class Estimate:
         """A vectorised function of the named symbols (every other symbol takes the model's
         and the policy's bindings): ``f(b=array, s=array) -> array`` of bytes.
 
-        The peak is the elementwise maximum of the compiled candidates (``numpy``). Byte
-        counts below 2**53 are exact in float64; integer inputs keep them integers.
+        The peak is the elementwise maximum of the compiled candidates (``numpy``). Integer
+        inputs give exact integers: int64 below 2**53 bytes, and beyond it (where int64 may wrap)
+        each point recomputed with exact integers (an array of Python ints); float inputs give
+        float64, exact below 2**53.
 
         The values are checked as :meth:`at` checks them: whole numbers >= 1 (2.0 is one)
         and every requirement of the formulas (``s <= s_max``, ...); the first that fails
@@ -240,7 +288,7 @@ class Estimate:
         fixed = {k: v for k, v in self.bindings.items() if k not in syms}
         exprs = (self.totals if component == "peak"
                  else [self.formula(component)])
-        fns = []
+        fns, exact = [], []
         for e in exprs:
             e = e.xreplace(fixed)
             extra = e.free_symbols - set(syms)
@@ -249,8 +297,10 @@ class Estimate:
                 raise ConfigError("symbols", missing, "bound by the model or named as arguments",
                                   f"Add them: evaluator({', '.join(repr(n) for n in names + tuple(missing))}).")
             fns.append(sp.lambdify(syms, e, "numpy"))
+            exact.append(e)
 
         checks = self._vector_checks(syms, fixed) if check else []
+        bound = _magnitude_bound(exact, syms)
 
         def f(**arrays):
             args = [np.asarray(arrays[n]) for n in names]
@@ -264,6 +314,8 @@ class Estimate:
                     raise req.broken({**fixed, **{x: sp.Integer(int(np.broadcast_to(v, shape)[i]))
                                                   for x, v in zip(syms, args)}})
             out = np.maximum.reduce([np.broadcast_to(fn(*args), shape) for fn in fns])
+            if all(np.issubdtype(x.dtype, np.integer) for x in args):
+                out = _beyond_int64(out, bound or fns, exact, syms, args, shape)
             if "b" in names:             # b = 1: the step derived for it (derived when first asked)
                 ones = np.broadcast_to(args[names.index("b")], shape) == 1
                 if ones.any() and self.at_one is not self:

@@ -362,6 +362,18 @@ def test_sweep_csv_equals_the_library(capsys):
     assert "100% 6/6 points" in err and err.endswith("\n")
 
 
+def test_sweep_is_exact_beyond_64_bits(capsys):
+    """b = 10^16 at s = 1024: about 1.7e25 bytes, past int64 (9.2e18): the row equals estimate's
+    exact integers, in CSV and in JSON."""
+    code, out, err = run(capsys, "sweep", "--model", "gpt2", "--batch", "1,10000000000000000", "--seq", "1024")
+    assert code == 0
+    row = [int(v) for v in out.strip().splitlines()[2].split(",")]
+    ev = symmem.estimate(symmem.models.preset("gpt2"), symmem.Policy()).at(b=10**16, s=1024)
+    assert row[2:] == [ev.bytes[k] for k in (*COMPONENTS, "peak")] and row[-1] > 2**64
+    j = run_json(capsys, "sweep", "--model", "gpt2", "--batch", "10000000000000000", "--seq", "1024")
+    assert j[0]["peak"] == ev.peak
+
+
 def test_sweep_json_and_errors(capsys):
     j = run_json(capsys, "sweep", "--model", "gpt2", "--batch", "2", "--seq", "8:16:8")
     assert [(r["b"], r["s"]) for r in j] == [(2, 8), (2, 16)]

@@ -76,6 +76,19 @@ def test_evaluator_matches_exact(est):
     assert f(b=np.array([1, 2]), s=np.array([1024, 1024])).shape == (2,)
 
 
+def test_evaluator_is_exact_beyond_64_bits(est):
+    """Integer inputs give exact integers however large: int64 would wrap at b = 10^16 (the
+    peak is about 1.3e25 bytes), so such points are recomputed with exact integers, equal to
+    est.at; the int64 points beside them stay as they were."""
+    f = est.evaluator("b", "s")
+    big = 10**16
+    out = f(b=np.array([8, big, 3_037_000_500]), s=np.array([1024, 1024, 1024]))
+    assert [int(v) for v in out] == [est.at(b=bb, s=1024).peak for bb in (8, big, 3_037_000_500)]
+    assert int(out[1]) > 2**64
+    act = est.evaluator("b", "s", component="activations")(b=big, s=1024)
+    assert int(act) == est.at(b=big, s=1024).bytes["activations"]
+
+
 def test_evaluator_checks_values_as_at_does(est):
     """The same errors as est.at: whole numbers >= 1 (2.0 is one), and the model's
     requirements (s <= s_max = 1024 for gpt2), naming the first value that fails;
