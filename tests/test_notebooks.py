@@ -18,7 +18,8 @@ from execute import clean, execute  # noqa: E402
 def test_there_are_notebooks():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_scaling_laws.ipynb",
                                            "03_largest_batch.ipynb", "04_latex_export.ipynb",
-                                           "05_validation.ipynb", "06_your_own_model.ipynb"]
+                                           "05_validation.ipynb", "06_your_own_model.ipynb",
+                                           "07_seed_claims.ipynb"]
 
 
 def _texts(book) -> list:
