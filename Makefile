@@ -5,7 +5,7 @@ DEMO_VENV := .venv-demo
 TEST_VENV := .venv-test
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test notebooks clean
+.PHONY: demo test notebooks gpu-check clean
 
 $(DEMO_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(DEMO_VENV)
@@ -40,6 +40,12 @@ test: $(TEST_VENV)/.installed
 # that they are current).
 notebooks: $(TEST_VENV)/.installed
 	$(TEST_VENV)/bin/python notebooks/execute.py
+
+# On a machine with a CUDA GPU: real-size models trained beside symmem's CUDA prediction
+# (benchmarks/gpu_check.py; its table in gpu_check.json). PyPI's torch==$(TORCH_VERSION) for Linux is
+# a CUDA build.
+gpu-check: $(TEST_VENV)/.installed
+	$(TEST_VENV)/bin/python benchmarks/gpu_check.py --json gpu_check.json
 
 clean:
 	rm -rf $(DEMO_VENV) $(TEST_VENV) build *.egg-info
