@@ -5,6 +5,8 @@ backward, the training step's peak, its phase and every phase's maximum, to the 
 three routings: as the random router sends the tokens, all tokens on the same K experts (the
 worst case for one expert) and exactly balanced (every expert b s K / E pairs).
 """
+import warnings
+
 import pytest
 import sympy as sp
 
@@ -109,6 +111,34 @@ def test_mixtral_exact(point, attention, precision, opt, impl, routing):
     buffers = sum(t.untyped_storage().nbytes() for t in model.buffers())
     assert (ev.bytes["params"], ev.bytes["buffers"]) == (param_bytes(model), buffers)
     assert_hf_step_exact(est, model, ids, precision, opt, b, s, impl=impl)
+
+
+RECOMPUTED = [
+    (POINTS[0], "eager", "fp32", "full"),
+    (POINTS[0], "sdpa", "bf16", "full"),
+    (POINTS[0], "sdpa", "bf16-mixed", "last:1"),
+]
+
+
+@pytest.mark.parametrize("point,attention,precision,spec", RECOMPUTED,
+                         ids=[f"{sp_}-{at}-{pr}" for p, at, pr, sp_ in RECOMPUTED])
+def test_mixtral_recomputed_exact(point, attention, precision, spec):
+    """Hugging Face's gradient checkpointing (non-reentrant; ``last:N``: off on the last N
+    layers): nothing of a checkpointed mixture is saved, so its forward holds only what its
+    Python locals keep (the gathered rows and weights, the offsets, the last ``proj_out`` and
+    ``weighted_out`` until the experts return), and backward runs it again."""
+    b, s, h, f, a, k, L, V, E, K = point
+    cfg, model = hf_mixtral(point, attention)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)     # an alias in transformers 5
+        model.gradient_checkpointing_enable()
+    if spec.startswith("last:"):
+        for layer in list(model.model.layers)[L - int(spec[5:]):]:
+            layer.gradient_checkpointing = False
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, "sgd", "cpu", "for-loop", recompute=spec))
+    assert_hf_step_exact(est, model, torch.randint(0, V, (b, s)), precision, "sgd", b, s)
 
 
 def test_saved_bytes_pinned_by_hand():

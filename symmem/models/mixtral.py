@@ -120,9 +120,12 @@ def moe_block(g: Graph, y: str) -> str:
     unsorted = add("gather_rows", weighted, inverse, name="experts/weighted_out")
     summed = add("sum_topk", unsorted, k=K, name="experts/final_hidden_states")
     out = add("type_as", summed, rows, name="experts/out")
-    # the experts' locals until they return; the block's until it returns (the router's logits
-    # in `_`, the top-k weights and indices) and the layer's `hidden_states` (y)
-    for value in (expert_ids, perm, hist_in, counts, unsorted):
+    # the router's probabilities until it returns; the experts' locals until they return (the
+    # sorted ids, the permutation, the gathered rows and weights, histc's input and counts, the
+    # offsets, the last `proj_out` and `weighted_out`); the block's until it returns (the
+    # router's logits in `_`, the top-k weights and indices) and the layer's `hidden_states` (y)
+    g.hold(probs, until=weights)
+    for value in (expert_ids, perm, xs, wg, hist_in, counts, offs, down, unsorted):
         g.hold(value, until=out)
     moe = add("reshape", out, shape=(b, s, h), name="out")
     for value in (logits, index, weights, y):
