@@ -153,9 +153,6 @@ UNMODELLED = LLAMA_UNMODELLED + (
     Unmodelled("experts_implementation", ("grouped_mm", None),
                "transformers' default; eager loops over the experts and holds what the token counts "
                "per expert decide", fix="Remove the key or set it to \"grouped_mm\"."),
-    Unmodelled("_experts_implementation", ("grouped_mm", None),
-               "transformers' default; eager loops over the experts and holds what the token counts "
-               "per expert decide", fix="Remove the key or set it to \"grouped_mm\"."),
 )
 
 IGNORED = {
