@@ -136,9 +136,12 @@ def build_llama(cfg: LlamaConfig) -> Graph:
     return build_decoder(cfg.decoder())
 
 
-def build_decoder(cfg: Decoder) -> Graph:
+def build_decoder(cfg: Decoder, mlp=None) -> Graph:
     """The operator graph of one training forward of a Llama-type causal LM (Llama, Mistral,
-    Qwen2: transformers' modeling files differ in the biases and the sliding window only)."""
+    Qwen2: transformers' modeling files differ in the biases and the sliding window only).
+    ``mlp(g, y) -> z``: the layer's feed-forward part on the post-attention norm's output ``y``
+    (default the SwiGLU MLP; Mixtral's mixture of experts replaces it), holding ``y`` as the
+    decoder layer does until it returns."""
     g = Graph(cfg.name, cfg.bindings())
     if cfg.attn_implementation is not None:
         g.attention = HF_NAMES[cfg.attn_implementation]
@@ -194,11 +197,15 @@ def build_decoder(cfg: Decoder) -> Graph:
         z = linear("self_attn.o_proj", z, a * d, h, cfg.o_bias)
         x = g.add("add", x, z, name="layers/self_attn/residual")
         y2 = norm("post_attention_layernorm", x)
-        # act_fn(gate_proj(x)) * up_proj(x), in that order
-        act = g.add("silu", linear("mlp.gate_proj", y2, h, f, cfg.mlp_bias), name="layers/mlp/act")
-        up = linear("mlp.up_proj", y2, h, f, cfg.mlp_bias)
-        z2 = g.add("mul", act, up, name="layers/mlp/gated")
-        z2 = linear("mlp.down_proj", z2, f, h, cfg.mlp_bias)
+        if mlp is None:
+            # act_fn(gate_proj(x)) * up_proj(x), in that order
+            act = g.add("silu", linear("mlp.gate_proj", y2, h, f, cfg.mlp_bias), name="layers/mlp/act")
+            up = linear("mlp.up_proj", y2, h, f, cfg.mlp_bias)
+            z2 = g.add("mul", act, up, name="layers/mlp/gated")
+            z2 = linear("mlp.down_proj", z2, f, h, cfg.mlp_bias)
+            g.hold(y2, until="layers/mlp.down_proj")
+        else:
+            z2 = mlp(g, y2)
         out = g.add("add", x, z2, name="layers/mlp/residual")
         # LlamaAttention's locals until it returns (after o_proj): the rotated query and key,
         # the value view; LlamaDecoderLayer's `hidden_states` (each norm's output) until the
@@ -206,7 +213,6 @@ def build_decoder(cfg: Decoder) -> Graph:
         for value in (q, key, v):
             g.hold(value, until="layers/self_attn.o_proj")
         g.hold(y, until="layers/self_attn.o_proj")
-        g.hold(y2, until="layers/mlp.down_proj")
         # the layer's input: LlamaModel's loop passes `hidden_states` and rebinds it to what the
         # layer returns, so it lives until the layer's end (the norms save a float32 copy of a
         # half input, not the input)

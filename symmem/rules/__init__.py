@@ -42,6 +42,8 @@ Layout (module -> rules):
 - ``embeddings``: embedding, positions, position_embedding, ones_like_ids, cumsum_positions,
   offset_ids (OPT's positions), rotary, rope, causal_mask;
 - ``losses``: nll_loss.
+- ``moe``: reshape, topk_indices, topk, sum_last, div_inplace, index_tensor, gather_rows,
+  grouped_mm, sum_topk (a mixture of experts' router and dispatch).
 
 A new op is a function in the module of its kind (or a new kind module imported
 below). The rules were read off PyTorch's autograd formulas (``derivatives.yaml``)
@@ -63,6 +65,8 @@ from .embeddings import (causal_mask_rule, cumsum_positions_rule, embedding_rule
 from .fp8 import linear_fp8_rule
 from .linalg import linear_rule, matmul_rule
 from .losses import nll_loss_rule
+from .moe import (div_inplace_rule, gather_rows_rule, grouped_mm_rule, index_tensor_rule, reshape_rule,
+                  sum_last_rule, sum_topk_rule, topk_indices_rule, topk_rule)
 from .normalization import layer_norm_rule, log_softmax_rule, rms_norm_rule, softmax_rule
 from .quantized import linear_int4_rule, linear_int8_rule
 from .views import carry_rule, heads_rule, input_rule, merge_heads_rule, repeat_kv_rule, split_rule

@@ -1,0 +1,176 @@
+"""Mixtral as Hugging Face's ``MixtralForCausalLM`` runs it: the mixtral family.
+
+transformers 5's ``modeling_mixtral.py`` is Mistral's decoder (:func:`~symmem.models.llama.build_decoder`,
+no biases, an optional sliding window) with the SwiGLU MLP replaced by a sparse mixture of E
+experts (``MixtralSparseMoeBlock``), each token routed to K of them:
+
+* the router (``MixtralTopKRouter``): logits ``x W_r^T`` (N, E) for the N = b s tokens, a
+  softmax in float32, ``topk`` (the K largest probabilities and their experts), the K weights
+  renormalised in place to sum to one;
+* the experts (``MixtralExperts``, 3-D weights ``gate_up_proj`` (E, 2f, h) and ``down_proj``
+  (E, h, f)) through transformers' default ``experts_implementation``, ``grouped_mm``
+  (``integrations/moe.py``, ``grouped_mm_experts_forward``): the S = N K (token, expert)
+  pairs sorted by expert, the tokens' rows gathered into one (S, h) tensor, one grouped
+  matrix product per projection over the per-expert row ranges, each row scaled by its
+  routing weight, the rows put back in token order and summed over a token's K experts.
+
+Every tensor of that path has S or N rows whatever the routing: the token counts per expert
+only move the boundaries between the groups, so the formulas hold for any routing, balanced
+or all on K experts (measured both ways). transformers' other implementations are refused
+(``experts_implementation``): ``eager`` loops over the experts, and what it holds depends on
+the counts per expert.
+
+Refused unless at the default (:data:`UNMODELLED`): ``output_router_logits`` (keeps every
+layer's router logits and adds the load-balancing loss), ``router_jitter_noise`` (multiplies
+the hidden states in place by noise), ``experts_implementation`` other than grouped_mm and the
+Llama family's refusals. The symbols: E (``num_local_experts``) and K (``num_experts_per_tok``)
+beside Mistral's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..graph import Graph
+from ..symbols import E, K, b, f, h, s
+from .llama import IGNORED as LLAMA_IGNORED, UNMODELLED as LLAMA_UNMODELLED, Decoder, build_decoder, check_decoder
+from .registry import Family, Unmodelled, register
+from . import checks
+
+__all__ = ["MixtralConfig", "build_mixtral", "moe_block", "PRESETS", "HF_IDS", "UNMODELLED", "IGNORED", "FAMILY"]
+
+
+@dataclass(frozen=True)
+class MixtralConfig:
+    """The fields of Hugging Face's MixtralConfig that decide memory, with its defaults
+    (Mixtral 8x7B's shape). ``num_key_value_heads`` None means ``num_attention_heads``."""
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 8
+    vocab_size: int = 32000
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    attention_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    attn_implementation: str | None = None
+    name: str = "mixtral"
+
+    def __post_init__(self):
+        check_decoder(self)
+        checks.positive_ints(self, "num_local_experts", "num_experts_per_tok")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ConfigError("num_experts_per_tok", self.num_experts_per_tok,
+                              f"at most the number of experts num_local_experts ({self.num_local_experts})",
+                              "Each token is routed to that many distinct experts.")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_attention_heads if self.num_key_value_heads is None else self.num_key_value_heads
+
+    def decoder(self) -> Decoder:
+        return Decoder(self.name, self.hidden_size, self.intermediate_size, self.num_hidden_layers,
+                       self.num_attention_heads, self.kv_heads, self.vocab_size, self.head_dim,
+                       dropout=self.attention_dropout, tie=self.tie_word_embeddings,
+                       attn_implementation=self.attn_implementation, window=self.sliding_window)
+
+
+def moe_block(g: Graph, y: str) -> str:
+    """``MixtralSparseMoeBlock`` on the post-attention norm's output ``y`` (b, s, h), with the
+    grouped_mm experts; returns its (b, s, h) output. Names follow the parameters'
+    (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``)."""
+    N, S = b * s, b * s * K
+
+    def add(op, *inputs, name, **attrs):
+        return g.add(op, *inputs, name=f"layers/mlp/{name}", **attrs)
+
+    rows = add("reshape", y, shape=(N, h), name="rows")
+    # MixtralTopKRouter: logits, softmax(logits.float()), topk, renormalised in place
+    logits = g.add("linear", rows, params=(g.param("mlp.gate.weight", (E, h)),), name="layers/mlp.gate")
+    probs = add("softmax", add("to_float32", logits, name="router/float"), name="router/probs")
+    index = add("topk_indices", probs, k=K, name="router/top_k_index")
+    top = add("topk", probs, index, name="router/top_k")
+    weights = add("div_inplace", top, add("sum_last", top, name="router/sum"), name="router/top_k_weights")
+    # grouped_mm_experts_forward: sort the pairs by expert, gather the rows and the weights
+    expert_ids = add("index_tensor", index, shape=(S,), dtype="int64", name="experts/expert_ids_g")
+    perm = add("index_tensor", index, shape=(S,), dtype="int64", name="experts/perm")
+    tokens = add("index_tensor", perm, shape=(S,), dtype="int64", name="experts/perm_div_k")
+    xs = add("gather_rows", rows, tokens, name="experts/selected_hidden_states")
+    flat = add("reshape", weights, shape=(S,), name="experts/sample_weights")
+    wg = add("gather_rows", flat, perm, name="experts/sample_weights_g")
+    # histc's input: expert_ids_g.float() on the CPU, .int() on CUDA: 4 bytes either way
+    hist_in = add("index_tensor", expert_ids, shape=(S,), dtype="float32", name="experts/histc_input")
+    counts = add("index_tensor", hist_in, shape=(E,), dtype="float32", name="experts/tokens_per_expert")
+    offs = add("index_tensor", counts, shape=(E,), dtype="int32", name="experts/offsets")
+    gate_up = g.add("grouped_mm", xs, offs, params=(g.param("mlp.experts.gate_up_proj", (E, 2 * f, h)),),
+                    name="layers/mlp.experts.gate_up_proj")
+    gate = add("split", gate_up, parts=2, index=0, name="experts/gate")
+    up = add("split", gate_up, parts=2, index=1, name="experts/up")
+    act = add("mul", add("silu", gate, name="experts/act"), up, name="experts/gated")
+    down = g.add("grouped_mm", act, offs, params=(g.param("mlp.experts.down_proj", (E, h, f)),),
+                 name="layers/mlp.experts.down_proj")
+    weighted = add("mul", down, add("reshape", wg, shape=(S, 1), name="experts/sample_weights_col"),
+                   name="experts/weighted")
+    # inv_perm = empty_like(perm); inv_perm[perm] = arange(S): the arange is scratch
+    inverse = add("index_tensor", perm, shape=(S,), dtype="int64", temp=8 * S, name="experts/inv_perm")
+    unsorted = add("gather_rows", weighted, inverse, name="experts/weighted_out")
+    summed = add("sum_topk", unsorted, k=K, name="experts/final_hidden_states")
+    out = add("type_as", summed, rows, name="experts/out")
+    # the router's probabilities until it returns; the experts' locals until they return (the
+    # sorted ids, the permutation, the gathered rows and weights, histc's input and counts, the
+    # offsets, the last `proj_out` and `weighted_out`); the block's until it returns (the
+    # router's logits in `_`, the top-k weights and indices) and the layer's `hidden_states` (y)
+    g.hold(probs, until=weights)
+    for value in (expert_ids, perm, xs, wg, hist_in, counts, offs, down, unsorted):
+        g.hold(value, until=out)
+    moe = add("reshape", out, shape=(b, s, h), name="out")
+    for value in (logits, index, weights, y):
+        g.hold(value, until=moe)
+    return moe
+
+
+def build_mixtral(cfg: MixtralConfig) -> Graph:
+    """The operator graph of one MixtralForCausalLM training forward, loss included."""
+    g = build_decoder(cfg.decoder(), mlp=moe_block)
+    g.bindings.update({E: cfg.num_local_experts, K: cfg.num_experts_per_tok})
+    g.require(K, E, "each token is routed to K distinct experts")
+    return g
+
+
+#: Mistral AI's Mixtral 8x7B v0.1 as its config.json gives it (the sliding window is null).
+PRESETS = {"mixtral-8x7b": MixtralConfig(name="mixtral-8x7b")}
+HF_IDS = {"mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1"}
+
+UNMODELLED = LLAMA_UNMODELLED + (
+    Unmodelled("output_router_logits", (False,),
+               "true keeps every layer's router logits to the loss and adds the load-balancing loss"),
+    Unmodelled("router_jitter_noise", (0.0, 0),
+               "noise multiplied into the hidden states in place before the router"),
+    Unmodelled("experts_implementation", ("grouped_mm", None),
+               "transformers' default; eager loops over the experts and holds what the token counts "
+               "per expert decide", fix="Remove the key or set it to \"grouped_mm\"."),
+)
+
+IGNORED = {
+    **LLAMA_IGNORED,
+    "router_aux_loss_coef": "weighs the load-balancing loss, which only output_router_logits adds",
+}
+
+FAMILY = register(Family(
+    name="mixtral",
+    description="Mixtral as Hugging Face's MixtralForCausalLM runs it (Mistral's decoder with a sparse "
+                "mixture of E experts, top-K routing, transformers' grouped_mm experts)",
+    config=MixtralConfig,
+    build=build_mixtral,
+    model_types=("mixtral",),
+    aliases={"_attn_implementation": "attn_implementation", "num_experts": "num_local_experts"},
+    required=("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
+    presets=PRESETS,
+    hf_ids=HF_IDS,
+    unmodelled=UNMODELLED,
+    ignored=IGNORED,
+))

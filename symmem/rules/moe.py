@@ -1,0 +1,138 @@
+"""Mixture-of-experts ops: the router's top-k and the renormalisation of its weights, the
+integer bookkeeping of the dispatch, row gathers, grouped matrix products and the sum over
+the K experts of a token, as transformers 5 runs them (``MixtralTopKRouter`` in
+``models/mixtral/modeling_mixtral.py`` and ``grouped_mm_experts_forward`` in
+``integrations/moe.py``), plus a reshape that is a view. None of the aten ops here is on an
+autocast list of PyTorch 2.13 (``topk``, ``sort``, ``histc``, ``index``, ``_grouped_mm``:
+checked against ``torch._C._dispatch_get_registrations_for_dispatch_key``): they run in
+their inputs' dtypes.
+
+Notation: N = b s tokens, S = N K (token, expert) pairs, E experts, h and f the hidden and
+intermediate sizes. The saved tensors were read off ``derivatives.yaml`` and checked with
+saved-tensor hooks on the CPU (``tests/test_mixtral_measured.py``)."""
+from __future__ import annotations
+
+import sympy as sp
+
+from ..errors import ShapeError
+from .core import F32, I64, DType, Footprint, Saved, TensorInfo, _grads, rule
+
+__all__ = ["reshape_rule", "topk_indices_rule", "topk_rule", "sum_last_rule", "div_inplace_rule",
+           "index_tensor_rule", "gather_rows_rule", "grouped_mm_rule", "sum_topk_rule"]
+
+_INT32 = DType("int32", sp.Integer(4), 0)
+_DTYPES = {"int64": I64, "int32": _INT32, "float32": F32}
+
+
+def _numel(shape) -> sp.Expr:
+    return sp.Mul(*shape) if shape else sp.Integer(1)
+
+
+@rule("reshape")
+def reshape_rule(node, ins, ctx):
+    """``x.view(shape)`` / ``x.reshape(shape)`` / ``x.unsqueeze(-1)`` of a contiguous x: a
+    view, nothing allocated or saved; backward reshapes the gradient (a view too)."""
+    x = ins[0]
+    shape = tuple(sp.sympify(d) for d in node.attr("shape"))
+    if sp.expand(_numel(shape) - x.numel) != 0:
+        raise ShapeError(node.name, x.shape, f"as many elements as {shape}")
+    if not x.contiguous:
+        raise ShapeError(node.name, x.shape, "a contiguous tensor (reshaping another copies it)")
+    return Footprint(TensorInfo(shape, x.dtype, True, x.requires_grad), alias=0, grads=_grads(ins, "pass"))
+
+
+@rule("topk_indices")
+def topk_indices_rule(node, ins, ctx):
+    """The indices ``torch.topk(p, K, dim=-1)`` returns: (rows, K) int64, no gradient. The
+    values are the ``topk`` node that reads them (one kernel makes both)."""
+    p = ins[0]
+    k = sp.sympify(node.attr("k"))
+    return Footprint(TensorInfo(tuple(p.shape[:-1]) + (k,), I64, True, False), grads=(None,))
+
+
+@rule("topk")
+def topk_rule(node, ins, ctx):
+    """The values of ``torch.topk(p, K, dim=-1)`` (inputs: p and the ``topk_indices`` node):
+    TopkBackward0 saves the indices (no new memory); backward scatters the gradient into a
+    new zero tensor of p's shape."""
+    p, idx = ins
+    return Footprint(TensorInfo(idx.shape, p.dtype, True, p.requires_grad),
+                     saved=(Saved("topk indices", "in1"),), grads=(_grads([p])[0], None))
+
+
+@rule("sum_last")
+def sum_last_rule(node, ins, ctx):
+    """``x.sum(dim=-1, keepdim=True)``: saves nothing (SumBackward1 keeps sizes only); the
+    input's gradient is the output's, expanded (a view)."""
+    x = ins[0]
+    return Footprint(TensorInfo(tuple(x.shape[:-1]) + (1,), x.dtype, True, x.requires_grad),
+                     grads=_grads(ins, "pass"))
+
+
+@rule("div_inplace")
+def div_inplace_rule(node, ins, ctx):
+    """``x /= y`` (the router's renormalisation ``router_top_value /= router_top_value.sum(-1,
+    keepdim=True)``), in x's storage. DivBackward0 needs x as it was and y for y's gradient:
+    autograd saves y (no new memory) and a copy of x made before the kernel overwrites it
+    (``original_self`` in the generated in-place code)."""
+    x, y = ins
+    saved = (Saved("divisor", "in1"),)
+    if y.requires_grad:
+        saved += (Saved("dividend (copy before the in-place division)", "new", x.numel, x.dtype),)
+    return Footprint(TensorInfo(x.shape, x.dtype, x.contiguous, x.requires_grad or y.requires_grad),
+                     alias=0, saved=saved, grads=_grads(ins))
+
+
+@rule("index_tensor")
+def index_tensor_rule(node, ins, ctx):
+    """A tensor of the dispatch's bookkeeping, without gradient: ``torch.sort``'s values or
+    permutation, ``perm // K``, ``histc``'s input and counts, ``cumsum``'s offsets, the inverse
+    permutation. Attributes ``shape`` and ``dtype`` (int64, int32, float32); ``temp``: bytes
+    the op holds while it runs (the ``torch.arange`` written into the inverse permutation)."""
+    shape = tuple(sp.sympify(d) for d in node.attr("shape"))
+    return Footprint(TensorInfo(shape, _DTYPES[node.attr("dtype", "int64")], True, False),
+                     fwd_temp=sp.sympify(node.attr("temp", 0)), grads=tuple(None for _ in ins))
+
+
+@rule("gather_rows")
+def gather_rows_rule(node, ins, ctx):
+    """``x[idx]`` for a 1-D int64 idx of length S: a new (S, ...) tensor in x's dtype.
+    IndexBackward0 saves the indices (no new memory); backward makes x's gradient as a new
+    zero tensor of x's shape and accumulates the rows into it (``index_put_``)."""
+    x, idx = ins
+    if len(idx.shape) != 1:
+        raise ShapeError(node.name, idx.shape, "a 1-D index")
+    out = TensorInfo(tuple(idx.shape) + tuple(x.shape[1:]), x.dtype, True, x.requires_grad)
+    saved = (Saved("index", "in1"),) if x.requires_grad else ()
+    return Footprint(out, saved=saved, grads=(_grads([x])[0], None))
+
+
+@rule("grouped_mm")
+def grouped_mm_rule(node, ins, ctx):
+    """transformers' ``_grouped_linear(x, W, offs)``: ``F.grouped_mm(x.to(W.dtype),
+    W.transpose(-2, -1), offs=offs)`` for x (S, in) sorted by expert, W (E, out, in) and the
+    cumulative counts offs (E,) int32: each expert's rows times its own matrix, (S, out).
+    GroupedMmBackward0 saves x, the weight (a view of the parameter) and offs: no new memory,
+    whatever the tokens per expert. Backward makes x's gradient (S, in) and the weight's (E,
+    in, out), the gradient of the transposed view, which AccumulateGrad keeps as the
+    parameter's gradient: dense, so no copy into the parameter's layout (measured)."""
+    x, offs = ins
+    w = node.params[0]
+    if sp.expand(x.shape[-1] - w.shape[2]) != 0:
+        raise ShapeError(node.name, x.shape, f"a last dimension of {w.shape[2]}")
+    dt = ctx.param_dtype
+    saved = (Saved("input", "in0") if ctx.same(x.dtype, dt) else Saved("input (copy)", "new", x.numel, dt),
+             Saved("weight", "param:0"), Saved("offsets", "in1"))
+    return Footprint(TensorInfo((x.shape[0], w.shape[1]), dt, True, True), saved=saved,
+                     grads=(_grads([x])[0], None))
+
+
+@rule("sum_topk")
+def sum_topk_rule(node, ins, ctx):
+    """``y.view(N, K, h).sum(dim=1)`` for y (S, h) with S = N K: a new (N, h) tensor; saves
+    nothing. Backward expands the gradient (a view) and ViewBackward0 reshapes it to (S, h):
+    the expanded tensor is not contiguous, so that is a copy, y's gradient."""
+    y = ins[0]
+    k = sp.sympify(node.attr("k"))
+    return Footprint(TensorInfo((y.shape[0] / k,) + tuple(y.shape[1:]), y.dtype, True, y.requires_grad),
+                     grads=_grads(ins))
