@@ -106,6 +106,29 @@ def test_bert_exact(point, attention, precision, opt, padded):
     assert_bert_step_exact(est, model, mlm_batch(b, s, V, padded), precision, opt, b, s)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_padding_mask_moment_exact(precision):
+    """The moment transformers makes the additive mask (``torch.where``): the boolean copy of
+    attention_mask (3*12 = 36 bytes), the boolean (3, 1, 12, 12) mask (432), the zero and the
+    minimum as 0-dim tensors (2 * 4 or 2 * 2) beside the (3, 1, 12, 12) output (432 * 4 or
+    432 * 2), to the byte."""
+    point = POINTS[2]
+    b, s, h, f, a, L, V = point
+    cfg, model = hf_bert(point, "eager")
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    est = sm.estimate(graph_of(cfg, True), sm.Policy(precision, "sgd", "cpu", "for-loop"))
+    subs = est._subs({"b": b, "s": s})
+    predicted = [int(p.total.xreplace(subs)) for p in est.timeline
+                 if p.where == "forward attention_mask_4d"]
+    batch = mlm_batch(b, s, V, True)
+    ids, types, mask, labels = batch
+    report = training_step(model, lambda m: m(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss,
+                           optimizer("sgd", "for-loop", model.parameters()), extra=batch)
+    measured = [x.live_bytes for x in report.timeline if x.phase == "forward" and x.op == "aten.where.self"]
+    assert predicted == measured and len(measured) == 1
+
+
 RECOMPUTED = [
     ("eager", "fp32", False),
     ("sdpa", "bf16-mixed", False),
