@@ -241,6 +241,7 @@ BASE = {"model_type": "bert", "hidden_size": 32, "intermediate_size": 64, "num_h
     ({"add_cross_attention": True}, "add_cross_attention = True is not valid"),
     ({"chunk_size_feed_forward": 4}, "chunk_size_feed_forward = 4 is not valid"),
     ({"padded": "yes"}, "padded = 'yes' is not valid: expected true or false"),
+    ({"tie_word_embeddings": False}, "tie_word_embeddings = False is not valid: expected true, the only value"),
 ])
 def test_bad_bert_config_is_refused(changes, words):
     with pytest.raises((ConfigError, UnknownName)) as e:

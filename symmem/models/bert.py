@@ -23,7 +23,8 @@ The model (transformers 5.24's ``modeling_bert.py``):
   dropout, ``LayerNorm(x + residual)`` (post-norm), the feed-forward (``intermediate_size``,
   ``hidden_act``), dense, dropout, ``LayerNorm(x + residual)``;
 * the masked-LM head: dense h x h, the activation, LayerNorm, and the decoder tied to the word
-  embeddings (``tie_word_embeddings``) with its own bias of V;
+  embeddings with its own bias of V (``tie_word_embeddings`` false is refused: transformers then
+  keeps ``cls.predictions.bias`` as a parameter the forward never reads);
 * the loss: ``CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))`` on MLM labels
   (-100 where a token is not masked): log_softmax over every position, nll_loss averaging
   over the masked ones; what it saves does not depend on how many are masked.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from ..graph import Graph
 from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, f, h, s, s_max
@@ -87,6 +89,11 @@ class BertConfig:
         checks.probabilities(self, "hidden_dropout_prob", "attention_probs_dropout_prob")
         checks.booleans(self, "tie_word_embeddings", "padded")
         checks.attn_implementation(self)
+        if not self.tie_word_embeddings:
+            raise ConfigError("tie_word_embeddings", False, "true, the only value symmem models (untied, "
+                              "transformers gives the decoder its own weight and bias and keeps "
+                              "cls.predictions.bias as a parameter the forward never reads: no gradient, no "
+                              "optimizer state)", "Remove the key or set it to true.")
 
     def bindings(self) -> dict:
         return {h: self.hidden_size, L: self.num_hidden_layers, a: self.num_attention_heads, V: self.vocab_size,
@@ -179,8 +186,7 @@ def build_bert(cfg: BertConfig) -> Graph:
     y = linear(g, "cls.predictions.transform.dense", x, h, h)
     y = g.add(act, y, name=f"cls/predictions/transform/{act}")
     y = layer_norm(g, "cls.predictions.transform.LayerNorm", y)
-    head = word if cfg.tie_word_embeddings else g.param("cls.predictions.decoder.weight", (V, h))
-    logits = g.output(g.add("linear", y, params=(head, g.param("cls.predictions.bias", (V,))),
+    logits = g.output(g.add("linear", y, params=(word, g.param("cls.predictions.bias", (V,))),
                             name="cls/predictions/decoder"))
     # CrossEntropyLoss()(logits.view(-1, V), labels.view(-1)): F.cross_entropy is log_softmax and
     # nll_loss (ignore_index -100); the labels are the target as given (no shift)
