@@ -10,7 +10,7 @@ picks its backend per device, dtype and dropout as PyTorch does) and rewrites th
   attention, transformers' ``repeat_kv``), ``matmul(q, k^T)``, ``* scaling`` (a Python
   number: an 8-byte wrapped scalar on the CPU), ``+ mask``, softmax (in float32 with
   ``softmax_float32``), the cast to the value's dtype (the query's with
-  ``probs_like="query"``: Llama's), dropout (the repeated k and v live until the node
+  ``probs_like="query"``: Llama's; none with ``probs_like="none"``: BERT's), dropout (the repeated k and v live until the node
   ``returns_after`` names, where the model's eager function returns),
   ``matmul(probs, v)``; the probabilities are returned and kept by the model until
   ``weights_until`` has run (Hugging Face's blocks hold ``attn_weights``);
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sympy as sp
 
+from ..errors import ConfigError
 from ..graph import Graph
 from ..policy.attention import check_kernel, resolve, sdpa_backend
 
@@ -38,7 +39,7 @@ __all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS"]
 #: The attention node's own attributes (the others are scope attributes its replacement keeps;
 #: it adds ``attention_kernel``, the kernel that made it).
 OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32", "returns_after",
-             "window")
+             "window", "padded")
 
 
 def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple[str, tuple]:
@@ -69,6 +70,10 @@ def prepare(graph: Graph, policy) -> Graph:
         ctx = base.float32() if node.attr("fp32") else base        # a module kept in float32
         kernel, head_needs = kernel_of(policy, ctx.act_name, p, d.xreplace(graph.bindings), graph.attention)
         needs.extend(n.requirement(d) for n in head_needs)
+        if node.attr("padded") and kernel != "eager":
+            raise ConfigError("attention", kernel, "eager attention for batches with padding (padded: true)",
+                              "transformers then passes SDPA a boolean (b, 1, s, s) mask, which symmem does not "
+                              "model: use --attention eager, or padded: false for batches without padding.")
         if node.attr("window") is not None and kernel != "eager":
             needs.append(_window_requirement(sub.shape(q)[-2], node.attr("window")))
         scope = {key: value for key, value in node.attrs if key not in OWN_ATTRS}
@@ -139,7 +144,8 @@ def _eager(node, g: Graph, ctx) -> None:
     if mask:
         z = g.add("add", z, mask[0], name=pre + "mask")
     z = g.add("softmax", z, float32=node.attr("softmax_float32", False), name=pre + "softmax")
-    z = g.add("type_as", z, q if node.attr("probs_like") == "query" else v, name=pre + "probs")
+    if node.attr("probs_like") != "none":      # BERT's eager function does not cast them
+        z = g.add("type_as", z, q if node.attr("probs_like") == "query" else v, name=pre + "probs")
     z = g.add("dropout", z, p=node.attr("dropout", 0.0), name=pre + "attn_dropout")
     g.add("matmul", z, v, name=node.name)
     if node.attr("weights_until"):

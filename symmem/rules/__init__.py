@@ -41,9 +41,10 @@ Layout (module -> rules):
   sdpa_kernel (flash, mem-efficient, cuDNN), sdpa_causal_mask;
 - ``embeddings``: embedding, positions, position_embedding, ones_like_ids, cumsum_positions,
   offset_ids (OPT's positions), rotary, rope, causal_mask;
-- ``losses``: nll_loss.
+- ``losses``: nll_loss;
 - ``moe``: reshape, topk_indices, topk, sum_last, div_inplace, index_tensor, gather_rows,
-  grouped_mm, sum_topk (a mixture of experts' router and dispatch).
+  grouped_mm, sum_topk (a mixture of experts' router and dispatch);
+- ``encoders``: buffer_slice, padding_mask, cross_entropy_cast (BERT).
 
 A new op is a function in the module of its kind (or a new kind module imported
 below). The rules were read off PyTorch's autograd formulas (``derivatives.yaml``)
@@ -60,6 +61,7 @@ from .attention import attention_rule, sdpa_causal_mask_rule, sdpa_kernel_rule
 from .elementwise import (add_rule, clone_rule, dropout_rule, gelu_new_rule, gelu_rule, mul_rule, relu_rule,
                           scale_rule, silu_rule, to_compute_rule, to_float32_rule, to_param_dtype_rule,
                           type_as_rule)
+from .encoders import buffer_slice_rule, cross_entropy_cast_rule, padding_mask_rule
 from .embeddings import (causal_mask_rule, cumsum_positions_rule, embedding_rule, offset_ids_rule,
                          ones_like_ids_rule, position_embedding_rule, positions_rule, rope_rule, rotary_rule)
 from .fp8 import linear_fp8_rule
