@@ -21,7 +21,9 @@ import sympy as sp
 
 from . import __version__, models
 from .printing import format_bytes
-from .engine import COMPONENTS, canonical, estimate
+from . import cache
+from .cache import cached_estimate
+from .engine import COMPONENTS, canonical
 from .errors import ConfigError, SymmemError
 from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
 from .printing import latex as render_latex_expr
@@ -256,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (argparse exits 2 itself on bad usage)."""
     args = build_parser().parse_args(_negative_values(sys.argv[1:] if argv is None else list(argv)))
     try:
-        return args.func(args)
+        status = args.func(args)
+        cache.store()
+        return status
     except SymmemError as e:
         print(f"symmem: error: {e}", file=sys.stderr)
         return 1
@@ -269,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
 
 @functools.lru_cache(maxsize=8)
 def _preset_estimate(name: str, policy: Policy):
-    """Derivations of presets are reused when ``main`` runs several times in one process."""
-    return estimate(models.preset(name), policy)
+    """Derivations of presets are reused when ``main`` runs several times in one process (and
+    across processes through the cache on disk, :mod:`symmem.cache`)."""
+    return cached_estimate(models.preset(name), policy)
 
 
 def _policy(args) -> Policy:
@@ -318,7 +323,7 @@ def _load(args, policy: Policy):
                               f"{graph.name!r} has {len(blocks)}: share them in Python with "
                               "graph.with_shared_layers(name).")
         graph = graph.with_shared_layers(blocks[0])
-    return estimate(graph, policy)
+    return cached_estimate(graph, policy)
 
 
 def _number(v):
@@ -327,15 +332,16 @@ def _number(v):
 
 
 def _report(args, policy: Policy) -> dict:
-    """Everything the three formats print, computed once."""
+    """What ``args.format`` prints, computed once: the formulas as text (the peak's candidates,
+    its LaTeX, each component) for JSON alone, the regions for JSON and the table."""
     est = _load(args, policy)
     bindings = est.bindings
     ev = est.at(b=args.batch, s=args.seq)
     point = ev.peak_point
-    peak, active = est.peak, canonical(point.total)
-    regions = est.regions()
-    return {
-        "est": est, "ev": ev, "peak": peak, "active": active, "regions": regions,
+    active = canonical(point.total)
+    regions = est.regions() if args.format != "latex" else ()
+    r = {
+        "est": est, "ev": ev, "active": active, "regions": regions,
         "json": {
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
@@ -351,18 +357,16 @@ def _report(args, policy: Policy) -> dict:
             "peak_iteration": point.iteration or None,
             "peak_where": point.where,
             "peak_breakdown": dict(ev.peak_parts),
-            "peak_regions": [{"where": reg.point.where, "share": round(reg.share, 4), "b": list(reg.b),
-                              "s": list(reg.s), "bs": list(reg.bs), "formula": str(canonical(reg.point.total))}
-                             for reg in regions],
-            "components": {k: str(v) for k, v in est.components.items()},
-            "formula": {
-                "peak": str(peak),
-                "latex": render_latex_expr(peak),
-                "peak_candidates": len(peak.args),
-                "peak_at_inputs": str(active),
-            },
         },
     }
+    if args.format == "json":       # the formulas as text: the JSON's alone, and the slowest to print
+        r["json"]["peak_regions"] = [{"where": reg.point.where, "share": round(reg.share, 4), "b": list(reg.b),
+                                      "s": list(reg.s), "bs": list(reg.bs),
+                                      "formula": str(canonical(reg.point.total))} for reg in regions]
+        r["json"]["components"] = {k: str(v) for k, v in est.components.items()}
+        r["json"]["formula"] = {"peak": str(est.peak), "latex": render_latex_expr(est.peak),
+                                "peak_candidates": len(est.peak.args), "peak_at_inputs": str(active)}
+    return r
 
 
 def cmd_estimate(args) -> int:
@@ -425,7 +429,7 @@ def render_table(args, policy: Policy, r: dict) -> str:
         out.append(f"{role:<{w}}{v:>{wb},}{format_bytes(v):>{ws}}{100 * v / ev.peak:>11.1f}%")
     out.append(f"{'peak':<{w}}{ev.peak:>{wb},}{format_bytes(ev.peak):>{ws}}{100.0:>11.1f}%")
     bound = canonical(r["active"].xreplace(est.bindings))
-    n = len(r["peak"].args)
+    n = len(est.candidates)
     out += ["", f"peak formula (the largest at these inputs of the {n} candidates whose max is the peak):",
             _wrap(str(r["active"])),
             "with this model's numbers and the policy's bytes per element:",

@@ -194,6 +194,14 @@ class Estimate:
         self.bindings = {**{symbol(k) if isinstance(k, str) else k: sp.sympify(v)
                             for k, v in graph.bindings.items()}, **policy.bindings()}
 
+    def __getstate__(self) -> dict:
+        """Pickled without :attr:`peak`: unpickling rebuilds ``Max(...)`` with evaluation,
+        which compares every pair of candidates (minutes); it is rebuilt from :attr:`candidates`
+        when asked."""
+        state = dict(self.__dict__)
+        state.pop("peak", None)
+        return state
+
     def describe(self) -> str:
         """The policy in words, with the kernel ``sdpa`` picked for this model and device."""
         return self.policy.describe(self.kernels)
@@ -226,9 +234,15 @@ class Estimate:
         return sp.Piecewise((one, sp.Eq(b, 1)), (general, True))
 
     @cached_property
+    def candidates(self) -> tuple[sp.Expr, ...]:
+        """The non-dominated points' live bytes, each canonical, without repeats (in order):
+        the arguments of :attr:`peak`."""
+        return tuple(dict.fromkeys(canonical(p.total) for p in self.points))
+
+    @cached_property
     def peak(self) -> sp.Expr:
-        """The peak live bytes: Max over the non-dominated points, each canonical."""
-        return sp.Max(*(canonical(p.total) for p in self.points), evaluate=False)
+        """The peak live bytes: Max over the :attr:`candidates`."""
+        return sp.Max(*self.candidates, evaluate=False)
 
     @cached_property
     def totals(self) -> list[sp.Expr]:
@@ -246,7 +260,14 @@ class Estimate:
         axis log-spaced from 1 to ``b_max`` and to ``s_max`` (``b_max`` where the model has
         no s_max). The candidates that are the largest somewhere on it, most points first;
         the others never bind there (:attr:`peak` keeps them all). The grid is a sample, not
-        a proof: between its points another candidate can lead by a few bytes."""
+        a proof: between its points another candidate can lead by a few bytes. Kept per
+        (``b_max``, ``points``): asked again, and from the cache on disk, they are not recomputed."""
+        memo = self.__dict__.setdefault("_regions", {})
+        if (b_max, points) not in memo:
+            memo[b_max, points] = self._regions_on_grid(b_max, points)
+        return memo[b_max, points]
+
+    def _regions_on_grid(self, b_max: int, points: int) -> tuple["Region", ...]:
         import numpy as np
         from .symbols import s_max
         top = int(self.bindings.get(s_max, b_max))

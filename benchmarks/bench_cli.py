@@ -1,0 +1,60 @@
+"""Time ``symmem estimate`` as a whole process, as a user waits for it: with the cache of
+derived estimates off (``SYMMEM_NO_CACHE=1``), cold (an empty cache directory: derive and
+store) and warm (the entry there: read it), beside ``python -c "import symmem"`` alone.
+
+Run: python benchmarks/bench_cli.py [--runs 5]
+
+Each row is the median of ``--runs`` processes; the cases run in turns (one process of each,
+then the next round), so that a machine's load falls on every column alike.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SYMMEM = [sys.executable, "-m", "symmem"]
+QUESTIONS = {"gpt2": ["estimate", "--model", "gpt2", "--batch", "8", "--seq", "1024", "--precision",
+                      "bf16-mixed", "--optimizer", "adamw"],
+             "llama-2-7b": ["estimate", "--model", "llama-2-7b", "--batch", "1", "--seq", "4096",
+                            "--precision", "bf16-mixed", "--optimizer", "adamw"]}
+
+
+def timed(cmd, env) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=5)
+    args = p.parse_args(argv)
+    root = Path(__file__).resolve().parents[1]
+    base = {**os.environ, "PYTHONPATH": str(root)}
+    times: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in range(args.runs):
+            times.setdefault(("import symmem", ""), []).append(
+                timed([sys.executable, "-c", "import symmem"], base))
+            for name, question in QUESTIONS.items():
+                off = {**base, "SYMMEM_NO_CACHE": "1"}
+                cold = {**base, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": f"{tmp}/cold{run}"}
+                warm = {**base, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": f"{tmp}/warm"}
+                if run == 0:
+                    timed(SYMMEM + question, warm)           # fill the warm cache once
+                for label, env in (("no cache", off), ("cold cache", cold), ("warm cache", warm)):
+                    times.setdefault((name, label), []).append(timed(SYMMEM + question, env))
+    print(f"{'whole process':<32}{'median':>9}{'min':>9}   ({args.runs} runs)")
+    for (name, label), ts in times.items():
+        print(f"{(name + ' ' + label).strip():<32}{statistics.median(ts):>8.2f}s{min(ts):>8.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

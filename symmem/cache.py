@@ -1,0 +1,155 @@
+"""A cache of derived estimates on disk, so that a second ``symmem estimate`` of the same model
+and policy skips the derivation.
+
+An entry is the pickled :class:`~symmem.engine.Estimate`, in one file named by its key: the
+SHA-256 of the model's structure (every node, parameter, shape and binding of the graph, in
+order, parameters numbered by identity so that tying counts), the policy, and symmem itself
+(its version and the bytes of its source files, so that an edited rule never reads an entry
+derived by the old one). The file starts with the SHA-256 of the rest and the key again; an
+entry whose checksum, key or unpickling fails is treated as absent, derived afresh and written
+again, never trusted. Entries are written to a temporary file and renamed into place, so that
+two processes never read half an entry.
+
+Where: ``$SYMMEM_CACHE_DIR``, else the user's cache directory (``$XDG_CACHE_HOME/symmem``,
+``~/.cache/symmem``; ``%LOCALAPPDATA%\\symmem`` on Windows). ``SYMMEM_NO_CACHE=1`` turns it
+off (the derivation benchmarks and the test suite run with it). A directory that cannot be
+written leaves the cache off for that run, silently: caching is an optimisation only.
+
+Like every pickle, an entry runs code when loaded: the cache directory must be yours alone,
+as the default one is.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import sys
+from pathlib import Path
+
+__all__ = ["cache_dir", "fingerprint", "cached_estimate", "store", "clear"]
+
+_MAGIC = b"symmem-estimate-1\n"
+
+
+def cache_dir() -> Path | None:
+    """The cache's directory, or None when ``SYMMEM_NO_CACHE`` is set to anything but 0."""
+    if os.environ.get("SYMMEM_NO_CACHE", "0") not in ("", "0"):
+        return None
+    if os.environ.get("SYMMEM_CACHE_DIR"):
+        return Path(os.environ["SYMMEM_CACHE_DIR"])
+    if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
+        return Path(os.environ["LOCALAPPDATA"]) / "symmem"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "symmem"
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """symmem's version and the bytes of every source file of the package, hashed."""
+    from . import __version__
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256(__version__.encode())
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _graph_terms(graph, params: dict) -> tuple:
+    """The graph as nested tuples of strings, in its own order; ``params`` numbers each Param
+    object by first appearance (the same object twice is a tied weight)."""
+    from .graph import Node
+
+    def param(p):
+        return params.setdefault(id(p), (len(params), p.name, str(p.shape), p.trainable, p.dtype))
+
+    items = []
+    for item in graph.items:
+        if isinstance(item, Node):
+            items.append(("node", item.name, item.op, item.inputs, tuple(param(p) for p in item.params),
+                          repr(item.attrs), str(item.shape)))
+        else:
+            items.append(("repeat", item.name, str(item.count), _graph_terms(item.body, params), item.carried,
+                          item.output, str(item.shape), item.names, repr(item.layer_attrs)))
+    bindings = sorted((str(k), str(v)) for k, v in graph.bindings.items())
+    return (graph.name, tuple(items), tuple(bindings), graph.externals, graph.outputs,
+            tuple(sorted(map(str, graph.requirements))), repr(graph.locals), graph.attention)
+
+
+def fingerprint(graph, policy) -> str:
+    """The cache key of ``graph`` under ``policy``: equal across processes for equal inputs."""
+    terms = (_code_digest(), _graph_terms(graph, {}), repr(policy))
+    return hashlib.sha256(repr(terms).encode()).hexdigest()
+
+
+def _read(path: Path, key: str):
+    """The estimate stored at ``path`` under ``key``, or None if it is absent or not sound."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    head = len(_MAGIC) + 32 + 64
+    if len(blob) <= head or not blob.startswith(_MAGIC):
+        return None
+    digest, stored, payload = blob[len(_MAGIC):len(_MAGIC) + 32], blob[len(_MAGIC) + 32:head], blob[head:]
+    if stored != key.encode() or hashlib.sha256(payload).digest() != digest:
+        return None
+    try:
+        return pickle.loads(payload)
+    except Exception:          # a class that changed shape, a truncated stream: derive afresh
+        return None
+
+
+def _write(path: Path, key: str, est) -> None:
+    payload = pickle.dumps(est, protocol=pickle.HIGHEST_PROTOCOL)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(_MAGIC + hashlib.sha256(payload).digest() + key.encode() + payload)
+        os.replace(tmp, path)
+    except OSError:            # a read-only or full disk: the cache is an optimisation only
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+#: entries derived in this process and not yet written: (path, key, estimate)
+_PENDING: list = []
+
+
+def cached_estimate(graph, policy):
+    """:func:`symmem.engine.estimate` of ``graph`` under ``policy``, read from the cache when an
+    entry is there and sound, else derived; a derived one is written by :func:`store`."""
+    from .engine import Estimate, estimate
+    where = cache_dir()
+    if where is None:
+        return estimate(graph, policy)
+    key = fingerprint(graph, policy)
+    path = where / f"{key}.pickle"
+    est = _read(path, key)
+    if not isinstance(est, Estimate):
+        est = estimate(graph, policy)
+        _PENDING.append((path, key, est))
+    return est
+
+
+def store() -> None:
+    """Write the entries derived since the last call. The command line calls it when a command
+    has finished, so that an entry holds what the command computed from the formulas too (the
+    expanded candidates, the regions where each binds), which a warm run then reads instead of
+    recomputing."""
+    while _PENDING:
+        _write(*_PENDING.pop())
+
+
+def clear() -> int:
+    """Remove every entry of the cache; the number removed."""
+    where = cache_dir()
+    if where is None or not where.is_dir():
+        return 0
+    gone = 0
+    for path in where.glob("*.pickle"):
+        path.unlink(missing_ok=True)
+        gone += 1
+    return gone
