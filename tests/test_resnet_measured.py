@@ -197,3 +197,65 @@ def test_transformers_resnet_exact(layer_type, layers, base, classes, hw, b, pre
     def loss(m, x, y):
         return m(pixel_values=x, labels=y).loss
     run_exact(model, keys, precision, opt, impl, b, hw, loss)
+
+
+# ----------------------------------------------------------------------------- presets, config
+
+
+#: parameters of torchvision's resnet18/50/152 (its documentation's table) and of
+#: microsoft/resnet-18/50/152 (ResNetForImageClassification, counted below on the meta device)
+PUBLISHED = {"resnet-18": 11_689_512, "resnet-50": 25_557_032, "resnet-152": 60_192_808}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_counts(name):
+    """ResNet-50: stem conv 64*3*49 = 9,408 and its batch norm 128; 16 bottleneck blocks; the
+    classifier 2048*1000 + 1000 = 2,049,000; in all 25,557,032 (torchvision's count), and
+    transformers' class built from the preset's keys on the meta device agrees."""
+    fam, cfg = sm.models.preset_config(name)
+    g = fam.build(cfg)
+    assert int(g.param_count().xreplace(g.bindings)) == PUBLISHED[name]
+    keys = {"hidden_sizes": list(cfg.hidden_sizes), "depths": list(cfg.depths), "layer_type": cfg.layer_type,
+            "embedding_size": cfg.embedding_size, "num_labels": cfg.classes}
+    with torch.device("meta"):
+        model = transformers.ResNetForImageClassification(transformers.ResNetConfig(**keys))
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
+    if name == "resnet-18":     # 224 x 224 RGB images, 1000 classes: bound, so the estimate needs only b
+        assert sm.estimate(name, sm.Policy("fp32", "sgd")).at(b=1).bytes["params"] == 4 * PUBLISHED[name]
+
+
+def test_image_size_is_symbolic_and_checked():
+    """Activations grow with H*W; H and W must be multiples of the total stride (32)."""
+    est = sm.estimate("resnet-18", sm.Policy("bf16-mixed", "sgd"))
+    acts = est.components["activations"]
+    assert {H, W} <= acts.free_symbols
+    assert sp.expand(acts.subs({H: 2 * H, W: W}) - acts).free_symbols >= {H, W}
+    with pytest.raises(ConfigError, match="multiple of the network's total stride"):
+        est.at(b=2, H=200, W=224)
+    small = est.at(b=2, H=64, W=96).peak
+    assert small < est.at(b=2).peak       # 224 x 224 bound
+
+
+def test_hf_config_keys():
+    """id2label gives the classes; backbone keys are ignored; unmodelled keys refused by name."""
+    keys = hf_keys(Bottleneck, (1, 1, 1, 1), 4, 10)
+    del keys["num_labels"]
+    g = sm.models.from_hf_config({**keys, "id2label": {str(i): f"c{i}" for i in range(7)},
+                                  "out_features": ["stage4"], "out_indices": [4]})
+    assert g.bindings[n_c] == 7
+    fam = sm.models.family("resnet")
+    assert fam.classify("out_features") == "ignored" and fam.classify("id2label") == "field"
+    with pytest.raises(ConfigError, match="problem_type"):
+        sm.models.from_hf_config({**keys, "problem_type": "regression"})
+    with pytest.raises(UnknownName, match="layer_type"):
+        sm.models.from_hf_config({**keys, "layer_type": "preactivation"})
+    with pytest.raises(UnknownName, match="hidden_act"):
+        sm.models.from_hf_config({**keys, "hidden_act": "gelu"})
+    with pytest.raises(ConfigError, match="one depth per stage"):
+        sm.models.from_hf_config({**keys, "depths": [1, 1, 1]})
+    with pytest.raises(ConfigError, match="the number of labels in id2label"):
+        sm.models.from_hf_config({**keys, "num_labels": 3, "id2label": {"0": "a"}})
+    with pytest.raises(ConfigError, match="multiples of 4"):
+        sm.models.from_hf_config({**keys, "hidden_sizes": [18, 32, 64, 128]})
+    with pytest.raises(UnknownName, match="implementation"):
+        sm.models.from_hf_config({**keys, "implementation": "timm"})
