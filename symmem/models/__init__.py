@@ -21,8 +21,9 @@ from .registry import (BOOKKEEPING, PRESETS, REGISTRY, DuplicateName, Family, Pr
 
 # The family modules: importing one registers it.
 from . import gpt2, gpt_neox, llama, mistral, opt, qwen2  # noqa: E402  (after the registry)
-from . import resnet  # noqa: E402
+from . import resnet, vit  # noqa: E402
 from .resnet import ResNetConfig  # noqa: E402
+from .vit import ViTConfig  # noqa: E402
 from .gpt2 import GPT2Config, build_gpt2  # noqa: E402
 from .llama import LlamaConfig, build_llama  # noqa: E402
 from .gpt_neox import GPTNeoXConfig  # noqa: E402
@@ -35,4 +36,4 @@ __all__ = ["preset", "from_hf_config", "hf_config", "preset_config", "families",
            "Unmodelled", "PresetSummary", "DuplicateName", "BOOKKEEPING", "GPT2Config",
            "build_gpt2", "gpt2", "LlamaConfig", "build_llama", "llama", "MistralConfig", "mistral",
            "Qwen2Config", "qwen2", "OPTConfig", "opt", "GPTNeoXConfig", "gpt_neox",
-           "ResNetConfig", "resnet"]
+           "ResNetConfig", "resnet", "ViTConfig", "vit"]

@@ -1,7 +1,8 @@
 """Convolutional vision ops: conv2d, batch_norm, relu_ (in place), max_pool2d, mean_pool
 (``adaptive_avg_pool2d`` to 1 x 1), flatten, and the two halves of ``F.cross_entropy`` that
 differ from a causal LM's loss (ce_input, ce_log_softmax; the third half is
-:func:`~symmem.rules.losses.nll_loss_rule`).
+:func:`~symmem.rules.losses.nll_loss_rule`); and the vision transformer's patch tokens,
+class-token concatenation, position-embedding add and class-token selection.
 
 Shapes are NCHW, (b, C, H, W). A convolution or pooling window of size k, stride st and
 padding p gives ``floor((x + 2p - k)/st) + 1`` outputs along a side of x; with the attribute
@@ -22,10 +23,11 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ShapeError
-from .core import F32, I64, Footprint, Saved, TensorInfo, _grads, rule
+from .core import F32, I64, Footprint, Saved, TensorInfo, _grads, _promote, rule
 
 __all__ = ["conv2d_rule", "batch_norm_rule", "relu_inplace_rule", "max_pool2d_rule", "mean_pool_rule",
-           "flatten_rule", "ce_input_rule", "ce_log_softmax_rule", "window_out"]
+           "flatten_rule", "ce_input_rule", "ce_log_softmax_rule", "patch_tokens_rule", "cls_concat_rule",
+           "add_param_rule", "select_token_rule", "window_out"]
 
 
 def window_out(x, k, stride, padding, exact: bool = False) -> sp.Expr:
@@ -35,7 +37,7 @@ def window_out(x, k, stride, padding, exact: bool = False) -> sp.Expr:
     ``x/stride + floor((2p - k)/stride) + 1``."""
     x = sp.sympify(x)
     if exact:
-        return sp.expand(x / stride + sp.floor(sp.Rational(2 * padding - k, stride)) + 1)
+        return sp.expand(x / stride + sp.floor(sp.sympify(2 * padding - k) / stride) + 1)
     return sp.floor((x + 2 * padding - k) / sp.Integer(stride)) + 1
 
 
@@ -183,3 +185,59 @@ def ce_log_softmax_rule(node, ins, ctx):
     x = ins[0]
     return Footprint(TensorInfo(x.shape, x.dtype, True, x.requires_grad),
                      saved=(Saved("log-softmax output", "out"),), grads=_grads(ins))
+
+
+# ----- the vision transformer's embeddings -------------------------------------------------
+
+
+@rule("patch_tokens")
+def patch_tokens_rule(node, ins, ctx):
+    """``x.flatten(2).transpose(1, 2)`` (ViTPatchEmbeddings): the (b, h, H/P, W/P) patch
+    projections as (b, HW/P^2, h) tokens, a non-contiguous view; backward hands the gradient on."""
+    x = ins[0]
+    if len(x.shape) != 4:
+        raise ShapeError(node.name, x.shape, "a (batch, hidden, rows, columns) tensor")
+    out = TensorInfo((x.shape[0], x.shape[2] * x.shape[3], x.shape[1]), x.dtype, False, x.requires_grad)
+    return Footprint(out, alias=0, grads=_grads(ins, "pass"))
+
+
+@rule("cls_concat")
+def cls_concat_rule(node, ins, ctx):
+    """``torch.cat((cls_token.expand(b, -1, -1), x), dim=1)`` (ViTEmbeddings): a new (b, 1 + n, h)
+    tensor in the promoted dtype of the class token (a parameter) and x; CatBackward0 saves no
+    tensor (sizes only) and hands each input a slice of the output's gradient. Where x has another
+    dtype (a half projection under autocast beside the float32 token) CPU autocast's promote
+    policy for ``cat`` casts x to float32 first (a copy, freed when cat returns) and backward casts
+    its gradient back (a new half tensor); on CUDA the engine converts it (the same bytes). The
+    class token's gradient is ExpandBackward0's sum over the batch."""
+    x = ins[0]
+    (cls,) = node.params
+    dt = _promote(ctx.param_dtype, x.dtype)
+    same = ctx.same(dt, x.dtype)
+    out = TensorInfo((x.shape[0], x.shape[1] + 1, x.shape[2]), dt)
+    temp = 0 if same or ctx.autocast_dtype("cat", dt, x.dtype) is None else x.numel * dt.nbytes
+    return Footprint(out, fwd_temp=temp, grads=_grads(ins, "pass" if same else "new"))
+
+
+@rule("add_param")
+def add_param_rule(node, ins, ctx):
+    """``x + p`` of a tensor and a parameter broadcast over the batch (ViT's
+    ``embeddings + position_embeddings``, p (1, n, h)): saves nothing; x's gradient is the
+    output's (handed on, same shape and dtype), p's is it summed over the batch by the engine
+    (``validate_outputs``) once the node has run."""
+    x = ins[0]
+    (p,) = node.params
+    dt = _promote(ctx.param_dtype, x.dtype)
+    if tuple(p.shape[1:]) != tuple(x.shape[1:]):
+        raise ShapeError(node.name, x.shape, f"the parameter's trailing shape {p.shape[1:]}")
+    grads = (None if not x.requires_grad else "pass" if ctx.same(dt, x.dtype) else "new",)
+    return Footprint(TensorInfo(x.shape, dt), grads=grads, reduced_params=(0,))
+
+
+@rule("select_token")
+def select_token_rule(node, ins, ctx):
+    """``x[:, 0]`` (or ``x[:, 0, :]``) of a (b, n, h) tensor: a (b, h) view, not contiguous.
+    SelectBackward0 saves nothing and makes a new zero gradient of x's whole size."""
+    x = ins[0]
+    out = TensorInfo((x.shape[0],) + tuple(x.shape[2:]), x.dtype, False, x.requires_grad)
+    return Footprint(out, alias=0, grads=_grads(ins))
