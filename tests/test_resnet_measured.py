@@ -137,10 +137,15 @@ def run_exact(model, keys, precision, opt, impl, b, hw, forward):
     x, y)`` gives the loss) against the graph of ``keys`` at (b, H, W)."""
     est = sm.estimate(sm.models.from_hf_config(keys), sm.Policy(precision, opt, "cpu", impl))
     values = {"b": b, "H": hw[0], "W": hw[1]}
+    if precision == "bf16":
+        model.to(torch.bfloat16)
     ev = est.at(**values)
     buffers = sum(t.untyped_storage().nbytes() for t in model.buffers())
     assert (ev.bytes["params"], ev.bytes["buffers"]) == (param_bytes(model), buffers)
     x = torch.randn(b, keys["num_channels"], *hw)
+    if precision == "bf16":      # model.to(bfloat16), and images in it
+        model.to(torch.bfloat16)
+        x = x.to(torch.bfloat16)
     y = torch.randint(0, keys["num_labels"], (b,))
 
     def fwd(m=model):
@@ -162,6 +167,8 @@ TORCHVISION = [
     (Bottleneck, (1, 1, 1, 1), 4, 10, 3, (32, 32), 2, "fp32", "adamw", "foreach"),
     (Bottleneck, (2, 1, 1, 1), 4, 7, 1, (32, 64), 3, "bf16-mixed", "sgd-momentum", "for-loop"),
     (Bottleneck, (1, 2, 1, 1), 8, 100, 3, (32, 32), 2, "fp32", "sgd", "for-loop"),
+    (BasicBlock, (1, 1, 1, 1), 8, 10, 3, (32, 32), 2, "bf16", "sgd", "for-loop"),       # a bfloat16 model
+    (Bottleneck, (1, 1, 1, 1), 4, 10, 3, (32, 32), 2, "bf16", "adamw", "for-loop"),
 ]
 
 

@@ -24,6 +24,7 @@ CASES = [
     (3, 64, 4, 3, 128, 32, 8, 5, "eager", "bf16-mixed", "adamw", "foreach", 0.0),
     (2, 32, 2, 2, 96, 24, 4, 7, "sdpa", "fp32", "sgd-momentum", "for-loop", 0.0),
     (2, 32, 4, 2, 64, 16, 4, 10, "eager", "fp32", "sgd", "for-loop", 0.1),      # dropout's noise
+    (2, 32, 4, 2, 64, 16, 4, 10, "sdpa", "bf16", "sgd", "for-loop", 0.0),       # a bfloat16 model
 ]
 
 
@@ -43,8 +44,11 @@ def test_vit_exact(b, h, a, L, f, image, patch, classes, attention, precision, o
     keys = {**cfg.to_dict(), "attn_implementation": cfg._attn_implementation}
     est = sm.estimate(sm.models.from_hf_config(keys), sm.Policy(precision, opt, "cpu", impl))
     ev = est.at(b=b)
-    assert ev.bytes["params"] == param_bytes(model)
     x = torch.randn(b, 3, image, image)
+    if precision == "bf16":      # model.to(bfloat16), and images in it
+        model.to(torch.bfloat16)
+        x = x.to(torch.bfloat16)
+    assert ev.bytes["params"] == param_bytes(model)
     y = torch.randint(0, classes, (b,))
 
     def fwd(m=model):

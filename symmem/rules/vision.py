@@ -102,7 +102,9 @@ def batch_norm_rule(node, ins, ctx):
     """``F.batch_norm(x, running_mean, running_var, weight, bias, training=True)`` over the
     channels of a (b, C, ...) input (``nn.BatchNorm2d`` in training). NativeBatchNormBackward0
     saves the input, the weight, the running statistics (buffers: no new memory) and the batch's
-    mean and inverse standard deviation, C float32 values each, made by the kernel; the running
+    mean and inverse standard deviation, C values each, made by the kernel (float32, except on
+    the CPU where x and the weights share a half dtype, a bfloat16 model: then in it, measured,
+    as layer norm's statistics; cuDNN keeps them in float32); the running
     statistics are updated in place. The output is new, in x's dtype (CPU and cuDNN accept a
     half input with float32 weights: autocast leaves batch_norm alone, so under autocast BN
     reads the convolution's half output and writes a half output). Backward makes the input's
@@ -115,9 +117,10 @@ def batch_norm_rule(node, ins, ctx):
     if len(x.shape) < 2:
         raise ShapeError(node.name, x.shape, "a (batch, channels, ...) input")
     channels = x.shape[1]
+    stats = F32 if ctx.device == "cuda" or not ctx.same(x.dtype, ctx.param_dtype) else x.dtype
     saved = (Saved("batch-norm input", "in0"), Saved("batch-norm weight", "param:0"),
-             Saved("batch-norm mean", "new", channels, F32, after=True),
-             Saved("batch-norm invstd", "new", channels, F32, after=True))
+             Saved("batch-norm mean", "new", channels, stats, after=True),
+             Saved("batch-norm invstd", "new", channels, stats, after=True))
     return Footprint(TensorInfo(x.shape, x.dtype), saved=saved, grads=_grads(ins))
 
 
