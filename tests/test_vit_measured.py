@@ -25,6 +25,7 @@ CASES = [
     (2, 32, 2, 2, 96, 24, 4, 7, "sdpa", "fp32", "sgd-momentum", "for-loop", 0.0),
     (2, 32, 4, 2, 64, 16, 4, 10, "eager", "fp32", "sgd", "for-loop", 0.1),      # dropout's noise
     (2, 32, 4, 2, 64, 16, 4, 10, "sdpa", "bf16", "sgd", "for-loop", 0.0),       # a bfloat16 model
+    (2, 32, 4, 2, 64, 16, 4, 10, "eager", "bf16", "adamw", "for-loop", 0.0),
 ]
 
 
