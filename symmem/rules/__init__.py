@@ -44,7 +44,10 @@ Layout (module -> rules):
 - ``losses``: nll_loss;
 - ``moe``: reshape, topk_indices, topk, sum_last, div_inplace, index_tensor, gather_rows,
   grouped_mm, sum_topk (a mixture of experts' router and dispatch);
-- ``encoders``: buffer_slice, padding_mask, cross_entropy_cast (BERT).
+- ``encoders``: buffer_slice, padding_mask, cross_entropy_cast (BERT);
+- ``vision``: conv2d, batch_norm, relu_ (in place), max_pool2d, mean_pool, flatten, ce_input,
+  ce_log_softmax (convolutional networks and ``F.cross_entropy``), patch_tokens, cls_concat,
+  add_param, select_token (the vision transformer's embeddings and head).
 
 A new op is a function in the module of its kind (or a new kind module imported
 below). The rules were read off PyTorch's autograd formulas (``derivatives.yaml``)
@@ -72,6 +75,9 @@ from .moe import (div_inplace_rule, gather_rows_rule, grouped_mm_rule, index_ten
 from .normalization import layer_norm_rule, log_softmax_rule, rms_norm_rule, softmax_rule
 from .quantized import linear_int4_rule, linear_int8_rule
 from .views import carry_rule, heads_rule, input_rule, merge_heads_rule, repeat_kv_rule, split_rule
+from .vision import (add_param_rule, batch_norm_rule, ce_input_rule, ce_log_softmax_rule, cls_concat_rule,
+                     conv2d_rule, flatten_rule, max_pool2d_rule, mean_pool_rule, patch_tokens_rule,
+                     relu_inplace_rule, select_token_rule)
 
 __all__ = ["DType", "TensorInfo", "Saved", "Footprint", "Ctx", "NodeLike", "Rule", "rule",
            "get_rule", "RULES", "infer_shape", "F32", "F64", "I64", "BOOL", "AUTOCAST",

@@ -33,7 +33,7 @@ def shift_labels_rule(node, ins, ctx):
 def nll_loss_rule(node, ins, ctx):
     """``F.nll_loss(logp.view(-1, V), labels)``, mean over tokens, with Hugging Face's
     label shift (``pad`` then ``[..., 1:]``: a new int64 copy of the labels, saved as the
-    target; with ``shifted=True`` the labels input is already that copy). NllLossBackward saves logp, the target and a 0-dim total weight in the loss's dtype.
+    target; with ``shifted=True`` the labels input is already that copy). NllLossBackward saves logp, the target and a 0-dim total weight (in the loss's dtype).
     Backward allocates a zero gradient of logp's size and scatters into it.
     Under autocast (CUDA and CPU: fp32 list) a float32 copy of half log-probabilities is
     what is saved, its float32 gradient is cast back after the op's backward, and the
@@ -57,8 +57,8 @@ def nll_loss_rule(node, ins, ctx):
         target = Saved("shifted labels", "new", rows, I64)
         padded = labels.numel / labels.shape[-1] * (labels.shape[-1] + 1) * I64.nbytes
     out_dt = logp.dtype if cast is None else cast
-    # the 0-dim total weight has the dtype the loss is computed in (2 bytes for bfloat16
-    # log-probabilities: BERT's cross-entropy on a bfloat16 model, measured)
+    # the total weight has the dtype the loss is computed in (bfloat16 for a bfloat16 model's
+    # F.cross_entropy; float32 after Hugging Face's logits.float())
     saved = (first, target, Saved("total weight", "new", sp.Integer(1), out_dt, after=True))
     return Footprint(TensorInfo((), out_dt), saved=saved, fwd_temp=padded,
                      grads=_grads(ins), bwd_temp=bwd_temp, cast_back=(("in", 0, bwd_temp),) if bwd_temp != 0 else ())

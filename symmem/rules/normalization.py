@@ -55,13 +55,18 @@ def softmax_rule(node, ins, ctx):
     """``F.softmax(x, -1)`` saves its output (SoftmaxBackward: result). CUDA autocast runs
     it in float32; CPU autocast leaves it in x's dtype. ``float32=True``: ``F.softmax(x, -1,
     dtype=torch.float32)`` (Llama's eager attention): x converted to float32 first (a copy
-    freed when softmax returns), the output float32. ``safe=True``: ATen's
+    freed when softmax returns), the output float32; for a half x backward makes x's gradient
+    in float32 first and casts it (measured: a bfloat16 ViT). ``safe=True``: ATen's
     ``_safe_softmax`` (SDPA's math kernel), whose kernel also holds a bool ``isneginf`` of
     x's shape and a bool row flag while it runs (1 byte per element, ``attention.cpp``)."""
     if node.attr("float32"):      # F.softmax(x, dim, dtype=torch.float32): x converted first
         x = ins[0]
+        half = not ctx.same(x.dtype, F32)
+        # backward: the float32 gradient of the converted x, then its copy in x's dtype (the
+        # node's new gradient): the float32 one is the larger, by numel * (4 - bytes of x)
+        bwd = x.numel * (4 - x.dtype.nbytes) if half and x.requires_grad else 0
         return Footprint(TensorInfo(x.shape, F32, True, x.requires_grad), saved=(Saved("softmax output", "out"),),
-                         fwd_temp=0 if ctx.same(x.dtype, F32) else x.numel * 4, grads=_grads(ins))
+                         fwd_temp=x.numel * 4 if half else 0, grads=_grads(ins), bwd_temp=bwd)
     fp = _softmax(ins, ctx, "softmax.int", "softmax output")
     if node.attr("safe"):
         x = ins[0]
