@@ -21,6 +21,7 @@ The graph of a step is the training graph rewritten (:func:`step_graph`):
   (:func:`~symmem.rules.cache.kv_cache_rule`): ``DynamicLayer.update``'s ``torch.cat``; the
   attention reads the cached tensors, and the model's locals that held the keys and values
   now hold the cache's (``key_states`` is rebound to what ``update`` returns);
+- dropout off (generation runs ``model.eval()``: ``F.dropout`` returns its input);
 - for the decoding step, every shape of one token: s -> 1, but the cache's positions
   (s + n_g) and the eager mask's columns (``kv_len``).
 
@@ -45,10 +46,17 @@ from ..graph import Graph, Node, Repeat, _defines
 from ..plan import Free, Compute, Hold, Key, Plan, Alloc
 from ..symbols import n_g, s
 
-__all__ = ["prepare", "apply", "step_graph", "cache_nodes", "cache_bytes", "CACHE_HOLDER", "STEPS", "cache_length"]
+__all__ = ["prepare", "apply", "step_graph", "cache_nodes", "cache_bytes", "CACHE_HOLDER", "CHECKED_OPS", "STEPS",
+           "cache_length"]
 
 #: The holder of the KV cache's tensors: the ``Cache`` object, alive for the whole generation.
 CACHE_HOLDER = "kv cache"
+#: The operators of the families whose generation is measured exact (Llama, Qwen2, Mistral,
+#: GPT-2: ``tests/test_inference_measured.py``); a model with any other is refused.
+CHECKED_OPS = frozenset({
+    "add", "attention", "carry", "causal_mask", "dropout", "embedding", "gelu_new", "heads", "input",
+    "layer_norm", "linear", "log_softmax", "merge_heads", "mul", "nll_loss", "pad_labels", "position_embedding",
+    "positions", "rms_norm", "rope", "rotary", "shift_labels", "silu", "split", "to_float32"})
 #: The steps of generation symmem derives, in order.
 STEPS = ("prefill", "decode")
 
@@ -148,6 +156,12 @@ def step_graph(graph: Graph, step: str) -> Graph:
     if not any(isinstance(n, Node) and n.op == "attention" for g in graph.graphs() for n in g.items):
         raise ConfigError("mode", "inference", "a model with attention layers (a causal LM) to cache keys and "
                                                "values for", "Use --mode training for this model.")
+    others = sorted({n.op for x in graph.graphs() for n in x.items if isinstance(n, Node)} - CHECKED_OPS)
+    if others:
+        raise ConfigError("mode", "inference", "a model of the operators whose inference is measured exact (the "
+                                               "llama, qwen2, mistral and gpt2 families)",
+                          f"This model also runs {', '.join(others)} (GPT-NeoX, OPT, ...): its generation is not "
+                          "checked yet, so symmem refuses it rather than guess; use --mode training.")
     g = _without_loss(graph)
     length = cache_length(step)
     subs = {s: sp.Integer(1)} if step == "decode" else {}
@@ -213,6 +227,9 @@ def _rebuilt(g: Graph, subs: dict, length, parent) -> Graph:
     for item in g.items:
         if isinstance(item, Repeat):
             body = _rebuilt(item.body, subs, length, out)
+            # `hidden_states = layer(hidden_states)`: the model's loop keeps each layer's input
+            # until the layer returns (in training the saved tensors outlive it anyway)
+            body.locals = body.locals + tuple((c, o) for c, o in zip(item.carries, item.output))
             put(replace(item, body=body, shape=sub(item.shape)))
             for n in item.names:
                 out._shapes[n] = sub(item.shape)
@@ -220,6 +237,8 @@ def _rebuilt(g: Graph, subs: dict, length, parent) -> Graph:
         attrs = dict(item.attrs)
         if item.op == "causal_mask":
             attrs["kv_len"] = length
+        if item.op == "dropout" or item.op == "attention" and "dropout" in attrs:
+            attrs["p" if item.op == "dropout" else "dropout"] = 0.0     # model.eval(): dropout is x itself
         if item.op == "attention" and sp.sympify(attrs.get("groups", 1)).xreplace(_root(g).bindings) == 1:
             attrs["groups"] = 1        # repeat_kv returns its input itself when n_rep == 1
         if item.op == "input" and "shape" in attrs:
