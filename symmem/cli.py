@@ -168,6 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="table (for people), json (for scripts), latex (default: %(default)s)")
     est.set_defaults(func=cmd_estimate)
 
+    inf = sub.add_parser(
+        "infer", help="memory of generation with a KV cache: prefill and one decoding step",
+        description="Derive the memory of text generation under torch.no_grad with a KV cache\n"
+                    "(the weights, the cache of s + n_g positions, the prefill of the prompt\n"
+                    "and one decoding step) as formulas, and evaluate them at --batch, --seq\n"
+                    "and --new-tokens.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_options(inf)
+    inf.add_argument("--batch", type=positive_int, required=True, metavar="B", help="sequences generated at once b")
+    inf.add_argument("--seq", type=positive_int, required=True, metavar="S", help="prompt length s (tokens)")
+    inf.add_argument("--new-tokens", type=positive_int, required=True, metavar="N",
+                     help="tokens generated n_g (the cache then holds s + n_g positions)")
+    inf.add_argument("--format", default="table", choices=FORMATS,
+                     help="table (for people), json (for scripts), latex (default: %(default)s)")
+    inf.set_defaults(func=cmd_infer)
+
     mb = sub.add_parser(
         "max-batch", help="the largest micro-batch that fits a GPU or a budget",
         description="The largest micro-batch b whose training-step peak fits the budget\n"
@@ -177,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(mb)
     mb.add_argument("--seq", type=positive_int, required=True, metavar="S",
                     help="sequence length s (tokens per sequence)")
+    mb.add_argument("--new-tokens", type=positive_int, metavar="N",
+                    help="with --mode inference: tokens generated n_g")
     _budget_options(mb)
     mb.set_defaults(func=cmd_max_batch)
 
@@ -195,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the smallest value that fits")
     sv.add_argument("--batch", type=positive_int, metavar="B", help="fix b")
     sv.add_argument("--seq", type=positive_int, metavar="S", help="fix s")
+    sv.add_argument("--new-tokens", type=positive_int, metavar="N", help="fix n_g (--mode inference)")
     sv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="fix any other symbol, e.g. --set L=48 (repeatable)")
     _budget_options(sv)
@@ -292,6 +311,8 @@ def policy_inputs(policy: Policy) -> dict:
     out["lora_targets"] = list(policy.lora_targets) if policy.lora_targets else None
     out["quantize_skip"] = list(policy.quantize_skip) if policy.quantize_skip else None
     out["implementation_resolved"] = policy.impl
+    if policy.mode != "inference":      # the KV cache's kind means nothing to a training step
+        del out["cache"]
     return out
 
 
@@ -336,10 +357,11 @@ def _report(args, policy: Policy) -> dict:
     its LaTeX, each component) for JSON alone, the regions for JSON and the table."""
     est = _load(args, policy)
     bindings = est.bindings
-    ev = est.at(b=args.batch, s=args.seq)
+    inference = policy.mode == "inference"
+    ev = est.at(b=args.batch, s=args.seq, **({"n_g": args.new_tokens} if inference else {}))
     point = ev.peak_point
     active = canonical(point.total)
-    regions = est.regions() if args.format != "latex" else ()
+    regions = () if inference or args.format == "latex" else est.regions()   # no n_g axis on the grid
     r = {
         "est": est, "ev": ev, "active": active, "regions": regions,
         "json": {
@@ -351,12 +373,13 @@ def _report(args, policy: Policy) -> dict:
             "batch_per_step": args.batch * policy.accumulate,     # b*K sequences per optimizer step
             "bindings": {str(k): _number(v) for k, v in bindings.items()},
             "parameters": int(est.prepared.param_count().xreplace(bindings)),
-            "bytes": {k: ev.bytes[k] for k in (*COMPONENTS, "peak")},
+            "bytes": {k: ev.bytes[k] for k in (*COMPONENTS, *(("cache",) if inference else ()), "peak")},
+            **({"new_tokens": args.new_tokens, "phase_peaks": _phase_peaks(est, ev)} if inference else {}),
             "peak_phase": point.phase,
             "peak_node": point.node,
             "peak_iteration": point.iteration or None,
             "peak_where": point.where,
-            "peak_breakdown": dict(ev.peak_parts),
+            "peak_breakdown": {role: v for role, v in ev.peak_parts.items() if role != "cache" or inference},
         },
     }
     if args.format == "json":       # the formulas as text: the JSON's alone, and the slowest to print
@@ -367,6 +390,21 @@ def _report(args, policy: Policy) -> dict:
         r["json"]["formula"] = {"peak": str(est.peak), "latex": render_latex_expr(est.peak),
                                 "peak_candidates": len(est.peak.args), "peak_at_inputs": str(active)}
     return r
+
+
+def _phase_peaks(est, ev) -> dict:
+    """Each phase's own largest moment at the evaluation's values (prefill, decode)."""
+    subs = est._subs(ev.values)
+    out: dict = {}
+    for p in est.timeline:
+        out[p.phase] = max(out.get(p.phase, 0), int(sp.ceiling(p.total.xreplace(subs))))
+    return out
+
+
+def cmd_infer(args) -> int:
+    """``symmem infer``: ``estimate`` in inference mode, at --new-tokens as well."""
+    args.mode = "inference"
+    return cmd_estimate(args)
 
 
 def cmd_estimate(args) -> int:
@@ -400,9 +438,10 @@ def render_table(args, policy: Policy, r: dict) -> str:
         source += f"; shared: {', '.join(j['inputs']['share'])}"
     dims = ", ".join(f"{k} = {v:,}" if isinstance(v, int) else f"{k} = {v}"
                      for k, v in j["bindings"].items() if not k.startswith("B_"))
-    out = [f"symmem estimate: {est.graph.name} ({source}), {j['parameters']:,} parameters",
+    tokens = f", new tokens n_g = {args.new_tokens:,}" if policy.mode == "inference" else ""
+    out = [f"symmem {'infer' if tokens else 'estimate'}: {est.graph.name} ({source}), {j['parameters']:,} parameters",
            _policy_line(est),
-           textwrap.fill(f"inputs: batch b = {args.batch:,}, seq s = {args.seq:,}; model {dims}", WIDTH,
+           textwrap.fill(f"inputs: batch b = {args.batch:,}, seq s = {args.seq:,}{tokens}; model {dims}", WIDTH,
                          subsequent_indent="  "),
            ""]
     if policy.accumulate > 1:
@@ -414,9 +453,10 @@ def render_table(args, policy: Policy, r: dict) -> str:
     wb = max(18, max(len(f"{v:,}") for v in values) + 2)
     ws = max(14, max(len(format_bytes(v)) for v in values) + 2)
     out.append(f"{'component':<{w}}{'bytes':>{wb}}{'size':>{ws}}")
-    for k in COMPONENTS:
+    inference = policy.mode == "inference"
+    for k in COMPONENTS + (("cache",) if inference else ()):
         v = ev.bytes[k]
-        if k in ("master", "buffers") and not v:
+        if k in ("master", "buffers") and not v or inference and k in ("grads", "master", "optimizer", "activations"):
             continue
         label = "activations (saved for backward)" if k == "activations" else k
         out.append(f"{label:<{w}}{v:>{wb},}{format_bytes(v):>{ws}}")
@@ -424,7 +464,8 @@ def render_table(args, policy: Policy, r: dict) -> str:
             f"{'role':<{w}}{'bytes':>{wb}}{'size':>{ws}}{'% of total':>12}"]
     for role in ROLES:
         v = ev.peak_parts[role]
-        if role in ("master", "buffers") and not v and not ev.bytes[role]:
+        if not v and (role in ("master", "buffers", "cache") and not ev.bytes.get(role)
+                      or inference and role in ("grads", "master", "optimizer", "activations")):
             continue
         out.append(f"{role:<{w}}{v:>{wb},}{format_bytes(v):>{ws}}{100 * v / ev.peak:>11.1f}%")
     out.append(f"{'peak':<{w}}{ev.peak:>{wb},}{format_bytes(ev.peak):>{ws}}{100.0:>11.1f}%")
@@ -435,7 +476,7 @@ def render_table(args, policy: Policy, r: dict) -> str:
             "with this model's numbers and the policy's bytes per element:",
             _wrap(f"{bound}"),
             f"(all {n} candidates: --format json or --format latex)", "",
-            "where each candidate is the peak (b up to 65,536, s up to s_max, a log grid):"]
+            *(["where each candidate is the peak (b up to 65,536, s up to s_max, a log grid):"] if r["regions"] else [])]
     out += [_wrap(str(reg)) for reg in r["regions"]]
     return "\n".join(out)
 
@@ -476,6 +517,8 @@ def _fixed(args) -> dict:
         fixed["b"] = args.batch
     if getattr(args, "seq", None) is not None:
         fixed["s"] = args.seq
+    if getattr(args, "new_tokens", None) is not None:
+        fixed["n_g"] = args.new_tokens
     for item in getattr(args, "set", []):
         name, sep, value = item.partition("=")
         if not sep or not value.strip().isdigit() or int(value) < 1:

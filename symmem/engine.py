@@ -188,7 +188,9 @@ class Estimate:
         self.prepared = graph if prepared is None else prepared
         #: the attention kernels the step runs (``sdpa``'s choice per device made concrete)
         self.kernels = passes.attention.kernels(self.prepared)
-        self.components = {k: canonical(timeline.components[k]) for k in COMPONENTS}
+        # the model states, the activations and, in inference, the KV cache
+        self.components = {k: canonical(timeline.components[k])
+                           for k in COMPONENTS + tuple(k for k in timeline.components if k not in COMPONENTS)}
         self.requirements = _distinct(timeline.requirements)
         self.points = _prune(list(timeline.points))
         self.bindings = {**{symbol(k) if isinstance(k, str) else k: sp.sympify(v)
@@ -447,6 +449,14 @@ def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:
         raise ConfigError("policy", policy, "a Policy", "E.g. sm.Policy(precision='bf16-mixed', optimizer='adamw').")
     # the model's own attention kernel, else transformers' default: outputs name the one used
     policy = replace(policy, attention=resolve(policy.attention, graph.attention))
+    if policy.mode == "inference":
+        return _inference(graph, policy)
+    plan, timeline, prepared = _derive(graph, policy)
+    return Estimate(graph, policy, plan, timeline, prepared)
+
+
+def _derive(graph: Graph, policy: Policy):
+    """(plan, timeline, prepared graph) of ``graph`` under ``policy``."""
     prepared = passes.prepare(graph, policy)
     plan = passes.run(lower(prepared, policy), prepared, policy)
     timeline = count(plan)
@@ -458,7 +468,23 @@ def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:
         prepared = prepared.with_bound_counts()
         plan = passes.run(lower(prepared, policy), prepared, policy)
         timeline = count(plan)
-    return Estimate(graph, policy, plan, timeline, prepared)
+    return plan, timeline, prepared
+
+
+def _inference(graph: Graph, policy: Policy) -> Estimate:
+    """Generation's memory (:mod:`symmem.passes.inference`): the prefill's points and the
+    decoding step's, each phase named after its step; the components are the model's
+    (nothing trained) and the KV cache after the decoding step (s + n_g positions)."""
+    points, requirements, steps = [], [], []
+    for step in passes.inference.STEPS:
+        plan, timeline, prepared = _derive(graph, replace(policy, step=step))
+        points += [replace(p, phase=step) for p in timeline.points]
+        requirements += list(timeline.requirements)
+        steps.append((plan, timeline, prepared))
+    (plan, first, prepared), (decode, _, decode_graph) = steps
+    components = {**first.components, "activations": sp.Integer(0),
+                  "cache": passes.inference.cache_bytes(decode, decode_graph)}
+    return Estimate(graph, policy, plan, Timeline(tuple(points), components, tuple(requirements)), prepared)
 
 
 def _unbound(expr, what: str) -> ConfigError:

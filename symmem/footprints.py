@@ -140,13 +140,16 @@ class _Tracer:
         ctx = self.ctx.float32() if node.attr("fp32") else self.ctx
         ctx = ctx if node.attr("autocast", True) else replace(ctx, autocast=False)
         fp = get_rule(node.op)(node, [t.info[i] for i in inputs], ctx)
-        grad = any(t.info[i].requires_grad for i in inputs) or any(p.trainable for p in node.params)
+        grad = not ctx.no_grad and (any(t.info[i].requires_grad for i in inputs)
+                                    or any(p.trainable for p in node.params))
         if node.op in ("input", "carry"):
             pass
         elif grad and not fp.out.requires_grad and node.params:
             fp = replace(fp, out=replace(fp.out, requires_grad=True))
         elif not grad:    # autograd records nothing: what the op would save is made and dropped
-            made = sum((sv.nbytes for sv in fp.saved if sv.ref == "new" and not sv.brief), sp.Integer(0))
+            # (under torch.no_grad a Python number is never wrapped into a tensor to be saved)
+            made = sum((sv.nbytes for sv in fp.saved if sv.ref == "new" and not sv.brief
+                        and (sv.hooked or not ctx.no_grad)), sp.Integer(0))
             fp = replace(fp, out=replace(fp.out, requires_grad=False), saved=(), fwd_temp=fp.fwd_temp + made,
                          bwd_temp=sp.Integer(0), cast_back=(), reduced_params=())
         own = rep.body._params if rep is not None else {}

@@ -125,7 +125,8 @@ class _Lowering:
     def _states(self):
         graph, policy = self.graph, self.policy
         params = graph.params()
-        trained = [(p, m) for p, m in params if p.trainable]   # frozen: no gradient, master or state
+        # frozen, or inference: no gradient, master or state
+        trained = [(p, m) for p, m in params if p.trainable and policy.mode != "inference"]
         # the master copy: of the trainable weights in the precision's dtype
         M = self.master = sp.expand(sum((p.numel * m for p, m in trained if p.dtype is None), ZERO))
         tensors = sp.expand(sum((m for _, m in trained), ZERO))
@@ -144,7 +145,7 @@ class _Lowering:
         events = []
         for p, m in params:
             events.append(Alloc(Key("param", p.name), weight_bytes(p), "params", m))
-            if not p.trainable:
+            if not p.trainable or policy.mode == "inference":
                 continue
             if prec.master and p.dtype is None:
                 events.append(Alloc(Key("master", p.name), p.numel * B_m, "master", m))
@@ -154,7 +155,7 @@ class _Lowering:
                 events.append(Alloc(Key("step", p.name), sp.Integer(4), "optimizer", m))
         if opt.shared and trained:     # one set for the optimizer (bitsandbytes' quantization maps)
             events.append(Alloc(Key("state", f"{opt.name} shared"), opt.shared, "optimizer"))
-        if prec.scaler:       # torch.amp.GradScaler: its float32 scale and int32 growth tracker
+        if prec.scaler and policy.mode != "inference":     # torch.amp.GradScaler: its float32 scale and int32 growth tracker
             events.append(Alloc(Key("state", "grad scaler"), sp.Integer(8), "optimizer"))
             components["optimizer"] += 8
         for node, m, nbytes in buffers:

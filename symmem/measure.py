@@ -46,6 +46,8 @@ __all__ = [
     "param_bytes",
     "saved_bytes",
     "training_step",
+    "PassReport",
+    "inference_pass",
 ]
 
 _PHASES = ("forward", "backward", "optimizer")
@@ -444,3 +446,53 @@ def training_step(
     phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES}
     return StepReport(top.live_bytes, top.phase, top.op, timeline, at_start, phase_peaks,
                       cuda_max, top.micro)
+
+
+# --------------------------------------------------------------------------- inference
+
+
+@dataclass(frozen=True)
+class PassReport:
+    """Live storage bytes over one forward run under ``torch.no_grad`` (a prefill or one
+    decoding step): ``peak`` and the operator after which it was first reached, ``at_start``
+    and ``at_end`` (what is live before ``fn`` runs and once its result is returned)."""
+
+    peak: int
+    peak_op: str
+    timeline: tuple[Sample, ...]
+    at_start: int
+    at_end: int
+    cuda_max_allocated: int | None = None
+
+
+def inference_pass(module: torch.nn.Module, fn: Callable[[], Any], *, extra: Any = (),
+                   phase: str = "inference") -> tuple[PassReport, Any]:
+    """Run ``fn()`` once under ``torch.no_grad()`` and track live memory, as
+    :func:`training_step` tracks a training step: the module's parameters and buffers and
+    ``extra`` (the batch, a KV cache's tensors) are registered before it runs, then every
+    storage an operator reads or writes. ``extra`` may be a function returning them: a list
+    made in the call would otherwise be referenced until the call returns, keeping alive
+    tensors ``fn`` drops (the KV cache's previous keys and values). Returns the report and ``fn``'s result, which is
+    still referenced when ``at_end`` is sampled (the caller decides when it goes)."""
+    device = _module_device(module)
+    tracker = _LiveTracker(device)
+    for t in _tensors([module, extra() if callable(extra) else extra]):
+        tracker.register(t)
+    del extra, t          # the loop's last tensor too: a previous cache's values fn drops
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    tracker.phase = phase
+    with torch.no_grad(), tracker:
+        tracker.sample("<start>")
+        at_start = tracker.live
+        out = fn()
+        tracker.sample("<end>")
+    cuda_max = None
+    if cuda:
+        torch.cuda.synchronize(device)
+        cuda_max = torch.cuda.max_memory_allocated(device)
+    timeline = tuple(tracker.samples)
+    top = max(timeline, key=lambda s: s.live_bytes)
+    return PassReport(top.live_bytes, top.op, timeline, at_start, timeline[-1].live_bytes, cuda_max), out

@@ -43,7 +43,7 @@ __all__ = ["Key", "Hold", "Compute", "Alloc", "Free", "Release", "Mark", "Backwa
 #: The phases of a step, in order.
 PHASES = ("states", "forward", "backward", "optimizer")
 #: The roles every live byte belongs to, in display order.
-ROLES = ("params", "buffers", "master", "optimizer", "grads", "activations", "batch", "transient")
+ROLES = ("params", "buffers", "master", "optimizer", "grads", "activations", "cache", "batch", "transient")
 
 #: Holders that are not a node: the autocast weight cache (emptied when forward ends), the
 #: model's outputs (referenced until forward ends), the training loop (the batch and the

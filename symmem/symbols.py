@@ -19,7 +19,7 @@ from .errors import UnknownName
 __all__ = [
     "SymbolInfo", "TABLE", "symbol", "latex_names",
     "b", "s", "h", "a", "L", "V", "f", "k", "d_h", "d_e", "s_max", "r", "G", "g", "t", "d",
-    "E", "K", "s_d", "n_b", "s_w", "H", "W", "C", "P", "n_c", "M", "R",
+    "E", "K", "s_d", "n_b", "s_w", "H", "W", "C", "P", "n_c", "n_g", "M", "R",
     "B_w", "B_g", "B_m", "B_o", "B_a",
     "DIMENSIONS", "BYTE_SYMBOLS",
 ]
@@ -67,6 +67,7 @@ _INFOS = [
     _dim("C", "C", "image channels"),
     _dim("P", "P", "patch size in pixels (a ViT patch is P x P)"),
     _dim("n_c", "n_{c}", "classes of a classification head"),
+    _dim("n_g", "n_{g}", "tokens generated after the prompt (inference: the KV cache holds s + n_g positions)"),
     _bytes("B_w", r"B_{w}", "bytes per weight element"),
     _bytes("B_g", r"B_{g}", "bytes per gradient element"),
     _bytes("B_m", r"B_{m}", "bytes per master-weight element"),
@@ -85,10 +86,11 @@ b, s, h, a, L, V, f, k, d_h, d_e, s_max, r = (
 G, g, t, d = (TABLE[n].symbol for n in ("G", "g", "t", "d"))
 E, K, s_d, n_b, s_w, H, W, C, P, n_c = (
     TABLE[n].symbol for n in ("E", "K", "s_d", "n_b", "s_w", "H", "W", "C", "P", "n_c"))
+n_g = TABLE["n_g"].symbol
 B_w, B_g, B_m, B_o, B_a = (TABLE[n].symbol for n in ("B_w", "B_g", "B_m", "B_o", "B_a"))
 M, R = TABLE["M"].symbol, TABLE["R"].symbol
 
-DIMENSIONS = (b, s, h, a, L, V, f, k, d_h, d_e, s_max, r, G, g, t, d, E, K, s_d, n_b, s_w, H, W, C, P, n_c)
+DIMENSIONS = (b, s, h, a, L, V, f, k, d_h, d_e, s_max, r, G, g, t, d, E, K, s_d, n_b, s_w, H, W, C, P, n_c, n_g)
 BYTE_SYMBOLS = (B_w, B_g, B_m, B_o, B_a)
 
 

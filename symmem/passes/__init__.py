@@ -12,15 +12,16 @@ schedules, inference) are further modules here.
 """
 from __future__ import annotations
 
-from . import accumulate, attention, fp8, keep_fp32, lora, quantize, recompute, regions
+from . import accumulate, attention, fp8, inference, keep_fp32, lora, quantize, recompute, regions
 
-__all__ = ["PASSES", "prepare", "run", "regions", "keep_fp32", "attention", "fp8", "quantize", "lora", "recompute", "accumulate"]
+__all__ = ["PASSES", "prepare", "run", "inference", "regions", "keep_fp32", "attention", "fp8", "quantize", "lora", "recompute", "accumulate"]
 
-#: The passes, in the order they rewrite a graph and a plan: the layer ranges first (the
+#: The passes, in the order they rewrite a graph and a plan: inference's step graph first (its
+#: cache nodes and shapes are what the attention kernel then sees), the layer ranges (the
 #: repeated block split once where any of them begins or ends), then the modules kept in
 #: float32, the attention kernel (chosen in each node's dtype; recomputation sees the
 #: kernel's operators), FP8 and quantized layers before the adapters that wrap them.
-PASSES = (regions, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate)
+PASSES = (inference, regions, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate)
 
 
 def prepare(graph, policy):

@@ -20,7 +20,10 @@ Each part is chosen from a registry (:mod:`symmem.policy.registry`), one module 
 - ``keep_fp32``: modules and layer ranges a mixed-precision run keeps out of autocast, in
   float32 (:mod:`symmem.passes.keep_fp32`); both name regions as :mod:`~symmem.policy.regions`
   says;
-- ``parallel`` (:mod:`~symmem.policy.slots`): one entry today.
+- ``parallel`` (:mod:`~symmem.policy.slots`): one entry today;
+- ``mode`` and ``cache`` (:mod:`~symmem.policy.inference`): ``"inference"`` derives the
+  prefill and one decoding step of generation with a KV cache instead of a training step
+  (:mod:`symmem.passes.inference`).
 
 :data:`PARTS` describes every part for the command line, which generates its options,
 their ``--help`` and ``symmem policies`` from it.
@@ -33,6 +36,7 @@ from ..errors import ConfigError
 from ..rules import Ctx
 from .adapters import LORA_DTYPES, LoRA
 from .attention import ATTENTION
+from .inference import CACHES, MODES
 from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
 from .quantize import QUANTIZE, Quantization
@@ -43,7 +47,7 @@ from .slots import DEVICES, PARALLEL
 
 __all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "LoRA", "Registry",
            "Quantization", "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION",
-           "QUANTIZE", "PARALLEL", "LORA_DTYPES"]
+           "QUANTIZE", "PARALLEL", "LORA_DTYPES", "MODES", "CACHES"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,10 @@ class Policy:
     quantize_skip: tuple | str | None = None
     keep_fp32: tuple | str | None = None
     parallel: str = "none"
+    mode: str = "training"
+    cache: str = "dynamic"
+    #: the inference step a plan is lowered for (set by the engine, not a choice)
+    step: str = field(default="prefill", repr=False)
     #: derive the step at b = 1 (set by :attr:`symmem.engine.Estimate.at_one`, not a choice)
     batch_one: bool = field(default=False, repr=False)
 
@@ -98,6 +106,11 @@ class Policy:
             raise ConfigError("precision with --keep-fp32", self.precision, "bf16-mixed or fp16-mixed",
                               "Modules are kept in float32 by leaving them out of torch.autocast; a model "
                               "cast whole to one dtype has no float32 weights to run them in.")
+        if self.mode == "inference":
+            self._check_inference()
+        elif self.cache != "dynamic":
+            raise ConfigError("cache", self.cache, "a KV cache to size (--mode inference)",
+                              "Give --mode inference too, or leave --cache out.")
         if self.prec.fp8:
             self._check_fp8()
         if self.quantize != "none":
@@ -105,6 +118,25 @@ class Policy:
         elif self.quantize_skip:
             raise ConfigError("quantize_skip", ",".join(self.quantize_skip), "layers to keep out of --quantize",
                               "Give --quantize int4 (or int8) too, or leave --quantize-skip out.")
+
+    def _check_inference(self):
+        """Inference is modelled for a whole model in one precision (fp32, bf16, fp16) or
+        under autocast, with nothing of training's: no recomputation, micro-batches,
+        adapters, quantization, float32 regions or FP8."""
+        if self.step not in ("prefill", "decode"):
+            raise ConfigError("step", self.step, "prefill or decode")
+        if self.prec.fp8:
+            raise ConfigError("precision with --mode inference", self.precision,
+                              "fp32, bf16, fp16, bf16-mixed or fp16-mixed",
+                              "FP8 inference (Transformer Engine) is not modelled.")
+        for name, value, default in (("recompute", self.recompute.mode, "none"), ("accumulate", self.accumulate, 1),
+                                     ("lora", self.lora, None), ("quantize", self.quantize, "none"),
+                                     ("keep_fp32", self.keep_fp32, None)):
+            if value != default:
+                raise ConfigError(f"{name} with --mode inference", value if name != "lora" else str(value),
+                                  f"{default} (inference has no backward to recompute for, no optimizer step, "
+                                  "and quantized or adapted inference is not modelled)",
+                                  f"Leave --{name.replace('_', '-')} out with --mode inference.")
 
     def _check_fp8(self):
         """Transformer Engine's FP8 GEMMs run on CUDA (compute capability 8.9 and later), and
@@ -158,7 +190,7 @@ class Policy:
         return self.opt.counters_on_device(self.device, self.impl)
 
     def ctx(self) -> Ctx:
-        return replace(self.prec.ctx(self.device), batch_one=self.batch_one)
+        return replace(self.prec.ctx(self.device), batch_one=self.batch_one, no_grad=self.mode == "inference")
 
     def bindings(self) -> dict:
         """Numbers for the byte symbols (optimizer states in the dtype of what they step), and
@@ -169,6 +201,9 @@ class Policy:
         """The policy in words; ``kernels``: the attention kernels ``sdpa`` picked, named
         beside it (``attention sdpa (flash)``)."""
         att = self.attention + (f" ({', '.join(kernels)})" if self.attention == "sdpa" and kernels else "")
+        if self.mode == "inference":
+            return (f"inference with a {self.cache} KV cache (prefill and one decoding step, torch.no_grad); "
+                    f"{self.precision} ({self.prec.description}); device {self.device}; attention {att}")
         out = (f"{self.precision} ({self.prec.description}); {self.optimizer} "
                f"[{self.impl}] ({self.opt.description}); device {self.device}; attention {att}")
         if self.recompute.mode != "none":
@@ -226,4 +261,6 @@ PARTS = (
          "modules run in float32 with autocast off (bf16-mixed, fp16-mixed): module names (lm_head, attn) "
          "and first:N, last:N"),
     Part("parallel", "--parallel", PARALLEL, "NAME", "the parallel layout"),
+    Part("mode", "--mode", MODES, "NAME", "a training step, or inference (generation with a KV cache)"),
+    Part("cache", "--cache", CACHES, "NAME", "the KV cache's kind (--mode inference)"),
 )

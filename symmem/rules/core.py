@@ -60,6 +60,9 @@ class Ctx:
     act: DType = DType("compute", B_a, 3)
     act_name: str = "float32"
     batch_one: bool = False
+    #: under ``torch.no_grad`` (inference): autograd records nothing, though the weights still
+    #: require grad (so autocast's cache keeps their half copies, as it does in training)
+    no_grad: bool = False
 
     def batch_view(self, t: "TensorInfo") -> bool:
         """Does ``t`` lead with the batch dimension, and is the step derived for b = 1? Then

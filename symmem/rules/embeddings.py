@@ -67,10 +67,12 @@ def position_embedding_rule(node, ins, ctx):
 @rule("causal_mask")
 def causal_mask_rule(node, ins, ctx):
     """Hugging Face's eager causal mask: a (b, 1, s, s) additive mask (0 or the dtype's
-    minimum) in the model's dtype, built once per forward and read by every layer."""
+    minimum) in the model's dtype, built once per forward and read by every layer. With a
+    KV cache its columns are the cached positions: attribute ``kv_len`` (b, 1, s, kv_len)."""
     ids = ins[0]
     bb, ss = ids.shape
-    return Footprint(TensorInfo((bb, sp.Integer(1), ss, ss), ctx.param_dtype, requires_grad=False),
+    kv = sp.sympify(node.attr("kv_len", ss))
+    return Footprint(TensorInfo((bb, sp.Integer(1), ss, kv), ctx.param_dtype, requires_grad=False),
                      grads=(None,))
 
 

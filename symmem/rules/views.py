@@ -45,13 +45,14 @@ def split_rule(node, ins, ctx):
 
 @rule("heads")
 def heads_rule(node, ins, ctx):
-    """``x.view(b, s, a, d).transpose(1, 2)``: (b, s, h) -> (b, a, s, h/a), a view."""
+    """``x.view(b, s, a, d).transpose(1, 2)``: (b, s, h) -> (b, a, s, h/a), a view; contiguous
+    for one token (s = 1, a decoding step), where the transpose moves a dimension of size 1."""
     x = ins[0]
     a = sp.sympify(node.attr("heads"))
     if len(x.shape) != 3:
         raise ShapeError(node.name, x.shape, "a (batch, sequence, hidden) tensor")
     bb, ss, hh = x.shape
-    out = TensorInfo((bb, a, ss, hh / a), x.dtype, False, x.requires_grad)
+    out = TensorInfo((bb, a, ss, hh / a), x.dtype, sp.sympify(ss) == 1, x.requires_grad)
     return Footprint(out, alias=0, grads=_grads(ins, "pass"))
 
 
@@ -60,12 +61,17 @@ def repeat_kv_rule(node, ins, ctx):
     """transformers' ``repeat_kv(x, n_rep)`` for grouped-query attention: (b, k, s, d) ->
     (b, k*n_rep, s, d) by ``x[:, :, None].expand(...).reshape(...)``, a contiguous copy (x
     itself when n_rep is 1). Saves nothing; backward sums the n_rep copies' gradients into a
-    new gradient of x's size (ExpandBackward)."""
+    new gradient of x's size (ExpandBackward). A contiguous x of one head (multi-query
+    attention, where a model binds k = 1: the KV cache's tensors) repeats as a view."""
     x = ins[0]
     n = sp.sympify(node.attr("groups"))
     if n == 1:
         return Footprint(x, alias=0, grads=_grads(ins, "pass"))
     bb, kk, ss, dd = x.shape
+    if sp.sympify(kk) == 1 and x.contiguous:     # one kv head: the reshape merges a dimension of size 1,
+        # a view with stride 0 over the heads, which matmul's bmm reads without copying (measured)
+        return Footprint(TensorInfo((bb, n, ss, dd), x.dtype, True, x.requires_grad), alias=0,
+                         grads=_grads(ins, "pass"))
     return Footprint(TensorInfo((bb, kk * n, ss, dd), x.dtype, True, x.requires_grad), grads=_grads(ins))
 
 
@@ -73,10 +79,11 @@ def repeat_kv_rule(node, ins, ctx):
 def merge_heads_rule(node, ins, ctx):
     """``x.transpose(1, 2).reshape(b, s, h)``: the transpose is a view, the reshape of a
     non-contiguous tensor copies; a tensor stored sequence-major (a flash kernel's output)
-    is contiguous once transposed, so it is a view. Backward hands the gradient on as views."""
+    is contiguous once transposed, so it is a view, as is one token's (s = 1, a decoding step).
+    Backward hands the gradient on as views."""
     x = ins[0]
     bb, aa, ss, dd = x.shape
     out = TensorInfo((bb, ss, aa * dd), x.dtype, True, x.requires_grad)
-    if x.seq_major:
+    if x.seq_major or sp.sympify(ss) == 1:
         return Footprint(out, alias=0, grads=_grads(ins, "pass"))
     return Footprint(out, grads=_grads(ins, "pass"))

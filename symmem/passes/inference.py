@@ -1,0 +1,267 @@
+"""Inference: a training graph turned into the prefill and one decoding step of generation.
+
+``Policy(mode="inference")`` (``symmem infer``) asks for the memory of text generation with
+a KV cache, as transformers' ``generate`` runs a causal LM under ``torch.no_grad``:
+
+- **prefill**: the prompt's forward, ``model(input_ids, cache=cache, use_cache=True)`` on
+  (b, s) token ids; each layer appends its keys and values (s positions) to the cache;
+- **decode**: one decoding step, ``model(next_ids, cache=cache)`` on (b, 1) ids with s + n_g - 1
+  positions cached, after which the cache holds s + n_g (the step that feeds the n_g-th
+  generated token; every earlier step has a shorter cache, so this one is the largest).
+
+The graph of a step is the training graph rewritten (:func:`step_graph`):
+
+- under ``torch.no_grad`` (``Ctx.no_grad``): autograd records nothing, so each op's would-be
+  saved tensors are made and dropped inside it (:mod:`symmem.footprints`); no gradient, no
+  optimizer state; the weights still require grad, so autocast caches their half copies until
+  the forward ends, as in training;
+- the loss and what only it reads removed (no labels: the forward returns the logits, the
+  cache and, until it returns, the last hidden state);
+- before each ``attention`` node, a ``kv_cache`` node for its keys and one for its values
+  (:func:`~symmem.rules.cache.kv_cache_rule`): ``DynamicLayer.update``'s ``torch.cat``; the
+  attention reads the cached tensors, and the model's locals that held the keys and values
+  now hold the cache's (``key_states`` is rebound to what ``update`` returns);
+- dropout off (generation runs ``model.eval()``: ``F.dropout`` returns its input);
+- for the decoding step, every shape of one token: s -> 1, but the cache's positions
+  (s + n_g) and the eager mask's columns (``kv_len``).
+
+The plan of a step (:func:`apply`): no backward, no optimizer; the cache's tensors are held
+to the end (role ``cache``); in the decoding step the cache of s + n_g - 1 positions exists
+before the step and each layer's old keys (values) are freed just after the cat that replaces
+them.
+
+Modelled: transformers' ``DynamicCache`` of ``DynamicLayer`` layers (the default of
+``generate``). A sliding window (Mistral) makes ``DynamicSlidingWindowLayer`` layers, which
+are the same while fewer than ``window`` positions are cached: the formulas then require
+s + n_g <= window - 1. ``StaticCache`` and ``QuantizedCache`` are refused by the policy.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy as sp
+
+from ..errors import ConfigError
+from ..graph import Graph, Node, Repeat, _defines
+from ..plan import Free, Compute, Hold, Key, Plan, Alloc
+from ..symbols import n_g, s
+
+__all__ = ["prepare", "apply", "step_graph", "cache_nodes", "cache_bytes", "CACHE_HOLDER", "CHECKED_OPS", "STEPS",
+           "cache_length"]
+
+#: The holder of the KV cache's tensors: the ``Cache`` object, alive for the whole generation.
+CACHE_HOLDER = "kv cache"
+#: The operators of the families whose generation is measured exact (Llama, Qwen2, Mistral,
+#: GPT-2: ``tests/test_inference_measured.py``); a model with any other is refused.
+CHECKED_OPS = frozenset({
+    "add", "attention", "carry", "causal_mask", "dropout", "embedding", "gelu_new", "heads", "input",
+    "layer_norm", "linear", "log_softmax", "merge_heads", "mul", "nll_loss", "pad_labels", "position_embedding",
+    "positions", "rms_norm", "rope", "rotary", "shift_labels", "silu", "split", "to_float32"})
+#: The steps of generation symmem derives, in order.
+STEPS = ("prefill", "decode")
+
+
+def cache_length(step: str) -> sp.Expr:
+    """Positions cached after ``step``: s after the prefill, s + n_g after the decoding step."""
+    return s if step == "prefill" else s + n_g
+
+
+def prepare(graph: Graph, policy) -> Graph:
+    """The graph of the policy's inference step (``policy.step``); a training policy's as is."""
+    if policy.mode != "inference":
+        return graph
+    return step_graph(graph, policy.step)
+
+
+def apply(plan: Plan, graph: Graph, policy) -> Plan:
+    """The plan of one inference step: forward only; the cache held to the end; in the
+    decoding step the previous cache allocated before it and freed layer by layer."""
+    if policy.mode != "inference":
+        return plan
+    names = set(cache_nodes(graph))
+    sliding = set(cache_nodes(graph, sliding=True))
+    forward, states, pending = [], list(plan.states), []
+    for e in plan.forward:
+        if isinstance(e, Compute) and e.node in names:
+            e = replace(e, holds=e.holds + (Hold(e.out, CACHE_HOLDER),), role="cache")
+            forward.append(e)
+            if policy.step == "decode":       # `self.keys = cat(...)` drops the previous keys
+                pending.append(Free(Key("previous cache", e.node, e.copy), _previous_bytes(e.out_bytes), "cache"))
+                # DynamicSlidingWindowLayer makes both cats before it rebinds keys and values
+                if e.node not in sliding or e.node.endswith("v_cache"):
+                    forward += pending
+                    pending = []
+            continue
+        forward.append(e)
+    if policy.step == "decode":
+        counts = _counts(graph)
+        first = {}
+        for e in plan.forward:
+            if isinstance(e, Compute) and e.node in names:
+                first.setdefault(e.node, e.out_bytes)
+        for name, nbytes in first.items():
+            states.append(Alloc(Key("previous cache", name), _previous_bytes(nbytes), "cache", counts[name]))
+    note = (f"inference ({policy.step}): weights frozen, no loss, backward or optimizer step; "
+            f"the KV cache holds {cache_length(policy.step)} positions after the step")
+    return replace(plan, states=tuple(states), forward=tuple(forward), backward=(), optimizer=(),
+                   notes=plan.notes + (note,))
+
+
+def _previous_bytes(nbytes) -> sp.Expr:
+    """A cache tensor's bytes one position shorter (s + n_g - 1 positions for s + n_g)."""
+    return sp.expand(sp.sympify(nbytes).xreplace({n_g: n_g - 1}))
+
+
+def _counts(graph: Graph) -> dict:
+    """How many times each node runs: a repeated block's once per iteration."""
+    out = {}
+
+    def walk(g: Graph, count):
+        for item in g.items:
+            if isinstance(item, Repeat):
+                walk(item.body, count * item.count)
+            else:
+                out[item.name] = count
+    walk(graph, sp.Integer(1))
+    return out
+
+
+def cache_bytes(plan: Plan, graph: Graph) -> sp.Expr:
+    """The KV cache after the plan's step: each cache node's tensor once per iteration of its
+    block (``2 L b k T d`` bytes per element for a Llama-type model, T the cached positions)."""
+    names, counts, seen = set(cache_nodes(graph)), _counts(graph), {}
+    for e in plan.forward:
+        if isinstance(e, Compute) and e.node in names:
+            seen.setdefault(e.node, e.out_bytes * counts[e.node])
+    return sp.expand(sp.Add(*seen.values()))
+
+
+def cache_nodes(graph: Graph, sliding: bool = False) -> tuple[str, ...]:
+    """The ``kv_cache`` nodes of a graph, bodies included, in order (``sliding``: those of
+    sliding-window attention only)."""
+    out = []
+    for g in graph.graphs():
+        out += [n.name for n in g.items if isinstance(n, Node) and n.op == "kv_cache"
+                and (not sliding or n.attr("window") is not None)]
+    return tuple(out)
+
+
+# ----- the graph of a step ----------------------------------------------------------------------
+def step_graph(graph: Graph, step: str) -> Graph:
+    """``graph`` (a training forward) as the graph of inference step ``step`` (prefill or
+    decode): the loss removed, a cache before each attention node, and for
+    the decoding step one token's shapes."""
+    if step not in STEPS:
+        raise ConfigError("inference step", step, f"one of {', '.join(STEPS)}")
+    if not any(isinstance(n, Node) and n.op == "attention" for g in graph.graphs() for n in g.items):
+        raise ConfigError("mode", "inference", "a model with attention layers (a causal LM) to cache keys and "
+                                               "values for", "Use --mode training for this model.")
+    others = sorted({n.op for x in graph.graphs() for n in x.items if isinstance(n, Node)} - CHECKED_OPS)
+    if others:
+        raise ConfigError("mode", "inference", "a model of the operators whose inference is measured exact (the "
+                                               "llama, qwen2, mistral and gpt2 families)",
+                          f"This model also runs {', '.join(others)} (GPT-NeoX, OPT, ...): its generation is not "
+                          "checked yet, so symmem refuses it rather than guess; use --mode training.")
+    g = _without_loss(graph)
+    length = cache_length(step)
+    subs = {s: sp.Integer(1)} if step == "decode" else {}
+    out = _rebuilt(g, subs, length, None)
+    windows = {n.attr("window") for x in out.graphs() for n in x.items
+               if isinstance(n, Node) and n.op == "attention" and n.attr("window") is not None}
+    for w in sorted(windows):
+        out.require(s + n_g, w - 1, f"fewer positions cached than the sliding window ({w}): transformers' "
+                                    "DynamicSlidingWindowLayer then keeps every position, as modelled; a longer "
+                                    "generation keeps the last window - 1 only (not modelled)")
+    for r in graph.requirements:            # what bounds the prompt bounds every position cached
+        if r.lhs == s and r.kind == "at most":
+            out.require(s + n_g, r.rhs, r.reason)
+    return out
+
+
+def _without_loss(graph: Graph) -> Graph:
+    """The graph without the top-level nodes the outputs do not need (the loss, the labels)."""
+    needed = set(graph.outputs)
+    for item in reversed(graph.items):
+        defined = {n for n, _ in _defines(item)}
+        if defined & needed:
+            if isinstance(item, Repeat):
+                needed |= set(item.carried) | set(item.body.externals)
+            else:
+                needed |= set(item.inputs)
+    top = {item.name for item in graph.items if isinstance(item, Node)}
+
+    def rewrite(node, sub) -> bool:           # True, adding nothing: removed
+        return node.name in top and node.name not in needed and node.op != "input"
+    out = graph.rewritten(rewrite)
+    keep = {n for g in out.graphs() for n in g._shapes}
+    # a local held until a removed node (the loss) is held until the forward ends instead
+    out.locals = tuple((v, u) for v, u in out.locals if v in keep and u in keep)
+    return out
+
+
+def _root(g: Graph) -> Graph:
+    while g.parent is not None:
+        g = g.parent
+    return g
+
+
+def _rebuilt(g: Graph, subs: dict, length, parent) -> Graph:
+    """A copy of ``g`` with every shape substituted (``subs``), the cache nodes inserted and
+    the causal mask's columns set to the cache's length."""
+    out = Graph(g.name, dict(g.bindings), parent=parent, externals=g.externals, outputs=g.outputs,
+                requirements=g.requirements, attention=g.attention)
+    out._taken = set(g._taken) if parent is None else parent._taken
+    out._params = dict(g._params)
+    moved: dict = {}
+    holds: list = []
+
+    def sub(shape):
+        return tuple(sp.sympify(d).xreplace(subs) for d in shape)
+
+    def put(item):
+        out.items.append(item)
+        for n, sh in _defines(item):
+            out._shapes[n] = sh
+        out._taken.add(item.name)
+
+    for item in g.items:
+        if isinstance(item, Repeat):
+            body = _rebuilt(item.body, subs, length, out)
+            # `hidden_states = layer(hidden_states)`: the model's loop keeps each layer's input
+            # until the layer returns (in training the saved tensors outlive it anyway)
+            body.locals = body.locals + tuple((c, o) for c, o in zip(item.carries, item.output))
+            put(replace(item, body=body, shape=sub(item.shape)))
+            for n in item.names:
+                out._shapes[n] = sub(item.shape)
+            continue
+        attrs = dict(item.attrs)
+        if item.op == "causal_mask":
+            attrs["kv_len"] = length
+        if item.op == "dropout" or item.op == "attention" and "dropout" in attrs:
+            attrs["p" if item.op == "dropout" else "dropout"] = 0.0     # model.eval(): dropout is x itself
+        if item.op == "attention" and sp.sympify(attrs.get("groups", 1)).xreplace(_root(g).bindings) == 1:
+            attrs["groups"] = 1        # repeat_kv returns its input itself when n_rep == 1
+        if item.op == "input" and "shape" in attrs:
+            attrs["shape"] = sub(attrs["shape"])
+        node = replace(item, shape=sub(item.shape), attrs=tuple(sorted(attrs.items())))
+        if item.op == "attention":
+            q, key, v, *rest = node.inputs
+            base = node.name.rsplit("/", 1)[0] + "/" if "/" in node.name else node.name + "/"
+            cached = []
+            for value, which in ((key, "k"), (v, "v")):
+                shape = out._lookup_shape(value)
+                name = f"{base}{which}_cache"
+                # one kv head (multi-query): the model's own 1, so that repeat_kv sees a view
+                heads = 1 if sp.sympify(shape[1]).xreplace(_root(g).bindings) == 1 else shape[1]
+                put(Node(name, "kv_cache", (value,), attrs=(("kv_heads", heads), ("length", length),
+                                                            ("window", attrs.get("window"))),
+                         shape=(shape[0], heads, length, shape[3])))
+                moved[value] = name
+                cached.append(name)
+            # `key_states, value_states = cache.update(key_states, value_states)`: the caller's
+            # keys live until update returns, after the values' cat
+            holds.append((key, cached[1]))
+            node = replace(node, inputs=(q, *cached, *rest))
+        put(node)
+    out.locals = tuple((moved.get(v, v), u) for v, u in g.locals) + tuple(holds)
+    return out

@@ -1,0 +1,17 @@
+"""Inference: the mode of a policy (a training step, or generation with a KV cache) and the
+cache's kind (:mod:`symmem.passes.inference` models them)."""
+from __future__ import annotations
+
+from .registry import Registry
+from .slots import Choice
+
+__all__ = ["MODES", "CACHES"]
+
+MODES = Registry("mode")
+MODES.register(Choice("training", "one training step: forward, backward, optimizer step"))
+MODES.register(Choice("inference", "generation under torch.no_grad with a KV cache: the prefill of the prompt "
+                                   "and one decoding step (symmem infer)"))
+
+CACHES = Registry("KV cache")
+CACHES.register(Choice("dynamic", "transformers' DynamicCache (generate's default): each layer's keys and "
+                                  "values concatenated step by step, torch.cat making the longer copy"))
