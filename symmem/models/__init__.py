@@ -27,9 +27,12 @@ from .gpt_neox import GPTNeoXConfig  # noqa: E402
 from .mistral import MistralConfig  # noqa: E402
 from .opt import OPTConfig  # noqa: E402
 from .qwen2 import Qwen2Config  # noqa: E402
+from . import t5  # noqa: E402
+from .t5 import T5Config  # noqa: E402
 
 __all__ = ["preset", "from_hf_config", "hf_config", "preset_config", "families", "family",
            "model_types", "summaries", "register", "PRESETS", "REGISTRY", "Registry", "Family",
            "Unmodelled", "PresetSummary", "DuplicateName", "BOOKKEEPING", "GPT2Config",
            "build_gpt2", "gpt2", "LlamaConfig", "build_llama", "llama", "MistralConfig", "mistral",
-           "Qwen2Config", "qwen2", "OPTConfig", "opt", "GPTNeoXConfig", "gpt_neox"]
+           "Qwen2Config", "qwen2", "OPTConfig", "opt", "GPTNeoXConfig", "gpt_neox",
+           "T5Config", "t5"]

@@ -8,9 +8,10 @@ picks its backend per device, dtype and dropout as PyTorch does) and rewrites th
 
 - ``eager``: k and v repeated to q's heads where the node has ``groups`` > 1 (grouped-query
   attention, transformers' ``repeat_kv``), ``matmul(q, k^T)``, ``* scaling`` (a Python
-  number: an 8-byte wrapped scalar on the CPU), ``+ mask``, softmax (in float32 with
+  number: an 8-byte wrapped scalar on the CPU), ``+ mask`` (each input after v added in
+  order: T5's position bias, then its mask), softmax (in float32 with
   ``softmax_float32``), the cast to the value's dtype (the query's with
-  ``probs_like="query"``: Llama's), dropout (the repeated k and v live until the node
+  ``probs_like="query"``: Llama's; none with ``probs_like="keep"``: T5's), dropout (the repeated k and v live until the node
   ``returns_after`` names, where the model's eager function returns),
   ``matmul(probs, v)``; the probabilities are returned and kept by the model until
   ``weights_until`` has run (Hugging Face's blocks hold ``attn_weights``);
@@ -24,12 +25,14 @@ picks its backend per device, dtype and dropout as PyTorch does) and rewrites th
 Every kernel but eager is called with ``is_causal=True`` and no mask: transformers'
 ``create_causal_mask`` returns None for them when nothing is padded, so the model's
 ``causal_mask`` node is removed too. The replacement's nodes keep the attention node's
-scope attributes (``recompute="attention"`` for selective recomputation).
+scope attributes (``recompute="attention"`` for selective recomputation). A node with
+``kernels`` (a tuple of kernel names) is modelled for those only: another is refused.
 """
 from __future__ import annotations
 
 import sympy as sp
 
+from ..errors import ConfigError
 from ..graph import Graph
 from ..policy.attention import check_kernel, resolve, sdpa_backend
 
@@ -38,7 +41,7 @@ __all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS"]
 #: The attention node's own attributes (the others are scope attributes its replacement keeps;
 #: it adds ``attention_kernel``, the kernel that made it).
 OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32", "returns_after",
-             "window")
+             "window", "kernels")
 
 
 def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple[str, tuple]:
@@ -68,6 +71,11 @@ def prepare(graph: Graph, policy) -> Graph:
         d = sp.sympify(sub.shape(q)[-1])
         ctx = base.float32() if node.attr("fp32") else base        # a module kept in float32
         kernel, head_needs = kernel_of(policy, ctx.act_name, p, d.xreplace(graph.bindings), graph.attention)
+        if node.attr("kernels") and kernel not in node.attr("kernels"):
+            raise ConfigError("attention", kernel, f"a kernel symmem models for {graph.name!r}'s attention "
+                              f"({', '.join(node.attr('kernels'))})",
+                              f"Use --attention {node.attr('kernels')[0]} (attn_implementation="
+                              f"\"{node.attr('kernels')[0]}\").")
         needs.extend(n.requirement(d) for n in head_needs)
         if node.attr("window") is not None and kernel != "eager":
             needs.append(_window_requirement(sub.shape(q)[-2], node.attr("window")))
@@ -126,7 +134,7 @@ def _prefix(node) -> str:
 
 
 def _eager(node, g: Graph, ctx) -> None:
-    q, k, v, *mask = node.inputs
+    q, k, v, *masks = node.inputs
     pre = _prefix(node)
     groups = node.attr("groups", 1)
     if sp.sympify(groups) != 1:        # grouped-query attention: k and v repeated to a heads
@@ -136,10 +144,11 @@ def _eager(node, g: Graph, ctx) -> None:
             g.hold(x, until=node.attr("returns_after", node.name))
     z = g.add("matmul", q, k, transpose_b=True, name=pre + "scores")
     z = g.add("scale", z, name=pre + "scale")
-    if mask:
-        z = g.add("add", z, mask[0], name=pre + "mask")
+    for i, m in enumerate(masks):       # added in order (T5: its position bias, then the mask)
+        z = g.add("add", z, m, name=pre + ("mask" if i == 0 else f"mask{i}"))
     z = g.add("softmax", z, float32=node.attr("softmax_float32", False), name=pre + "softmax")
-    z = g.add("type_as", z, q if node.attr("probs_like") == "query" else v, name=pre + "probs")
+    if node.attr("probs_like") != "keep":      # T5's eager attention does not cast them
+        z = g.add("type_as", z, q if node.attr("probs_like") == "query" else v, name=pre + "probs")
     z = g.add("dropout", z, p=node.attr("dropout", 0.0), name=pre + "attn_dropout")
     g.add("matmul", z, v, name=node.name)
     if node.attr("weights_until"):

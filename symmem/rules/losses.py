@@ -33,7 +33,8 @@ def shift_labels_rule(node, ins, ctx):
 def nll_loss_rule(node, ins, ctx):
     """``F.nll_loss(logp.view(-1, V), labels)``, mean over tokens, with Hugging Face's
     label shift (``pad`` then ``[..., 1:]``: a new int64 copy of the labels, saved as the
-    target; with ``shifted=True`` the labels input is already that copy). NllLossBackward saves logp, the target and a 0-dim float32 total weight.
+    target; with ``shifted=True`` the labels input is already that copy). NllLossBackward saves logp, the target and a 0-dim total weight in logp's dtype
+    (float32 where the logits were made float32 first, as Hugging Face's losses do).
     Backward allocates a zero gradient of logp's size and scatters into it.
     Under autocast (CUDA and CPU: fp32 list) a float32 copy of half log-probabilities is
     what is saved, its float32 gradient is cast back after the op's backward, and the
@@ -56,7 +57,8 @@ def nll_loss_rule(node, ins, ctx):
     else:
         target = Saved("shifted labels", "new", rows, I64)
         padded = labels.numel / labels.shape[-1] * (labels.shape[-1] + 1) * I64.nbytes
-    saved = (first, target, Saved("total weight", "new", sp.Integer(1), F32, after=True))
     out_dt = logp.dtype if cast is None else cast
+    # the total weight is a 0-dim tensor of the (cast) log-probabilities' dtype
+    saved = (first, target, Saved("total weight", "new", sp.Integer(1), out_dt, after=True))
     return Footprint(TensorInfo((), out_dt), saved=saved, fwd_temp=padded,
                      grads=_grads(ins), bwd_temp=bwd_temp, cast_back=(("in", 0, bwd_temp),) if bwd_temp != 0 else ())
