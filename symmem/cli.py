@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="micro-batch size b (sequences per step on one device)")
     est.add_argument("--seq", type=positive_int, required=True, metavar="S",
                      help="sequence length s (tokens per sequence)")
+    _decoder_seq_option(est)
     est.add_argument("--format", default="table", choices=FORMATS,
                      help="table (for people), json (for scripts), latex (default: %(default)s)")
     est.set_defaults(func=cmd_estimate)
@@ -175,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(mb)
     mb.add_argument("--seq", type=positive_int, required=True, metavar="S",
                     help="sequence length s (tokens per sequence)")
+    _decoder_seq_option(mb)
     _budget_options(mb)
     mb.set_defaults(func=cmd_max_batch)
 
@@ -193,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the smallest value that fits")
     sv.add_argument("--batch", type=positive_int, metavar="B", help="fix b")
     sv.add_argument("--seq", type=positive_int, metavar="S", help="fix s")
+    _decoder_seq_option(sv)
     sv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="fix any other symbol, e.g. --set L=48 (repeatable)")
     _budget_options(sv)
@@ -330,16 +333,16 @@ def _report(args, policy: Policy) -> dict:
     """Everything the three formats print, computed once."""
     est = _load(args, policy)
     bindings = est.bindings
-    ev = est.at(b=args.batch, s=args.seq)
+    ev = est.at(b=args.batch, s=args.seq, **_decoder(args))
     point = ev.peak_point
     peak, active = est.peak, canonical(point.total)
-    regions = est.regions()
+    regions = est.regions(**_decoder(args))
     return {
         "est": est, "ev": ev, "peak": peak, "active": active, "regions": regions,
         "json": {
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
-                       "seq": args.seq, "tie": getattr(args, "tie", None),
+                       "seq": args.seq, **_decoder(args), "tie": getattr(args, "tie", None),
                        "share": list(getattr(args, "share", None) or ()), **policy_inputs(est.policy),
                        "attention_kernels": list(est.kernels)},
             "batch_per_step": args.batch * policy.accumulate,     # b*K sequences per optimizer step
@@ -466,12 +469,23 @@ def render_latex(args, policy: Policy, r: dict) -> str:
 
 # --------------------------------------------------------------------------- solve
 
+def _decoder_seq_option(parser) -> None:
+    parser.add_argument("--decoder-seq", type=positive_int, metavar="S_D",
+                        help="decoder (target) length s_d of an encoder-decoder model (T5's labels)")
+
+
+def _decoder(args) -> dict:
+    """``{"s_d": --decoder-seq}`` where it was given."""
+    return {"s_d": args.decoder_seq} if getattr(args, "decoder_seq", None) is not None else {}
+
+
 def _fixed(args) -> dict:
     fixed = {}
     if getattr(args, "batch", None) is not None:
         fixed["b"] = args.batch
     if getattr(args, "seq", None) is not None:
         fixed["s"] = args.seq
+    fixed.update(_decoder(args))
     for item in getattr(args, "set", []):
         name, sep, value = item.partition("=")
         if not sep or not value.strip().isdigit() or int(value) < 1:
@@ -502,7 +516,7 @@ def _solution_json(sol, bud, est) -> dict:
 
 
 #: The option that fixes a symbol; any other is fixed with --set NAME=VALUE.
-SHELL_FLAGS = {"b": "--batch B", "s": "--seq S"}
+SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D"}
 
 
 def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
