@@ -1,7 +1,8 @@
 """T5 against Hugging Face's own ``T5ForConditionalGeneration`` on the CPU: random weights from
 small configs (no download), v1.0 (ReLU) and v1.1 (gated GELU, unscaled head), an inner
 attention width other than d_model, fewer decoder layers, labels of another length than the
-inputs; float32, bfloat16 autocast and a bfloat16 model; eager attention. Parameters, bytes
+inputs; float32, bfloat16 autocast and a bfloat16 model; eager attention and SDPA (whose CPU
+kernel with dropout is the math fallback, the position bias its float mask). Parameters, bytes
 saved for backward, the training step's peak, its phase and every phase's maximum, to the byte.
 """
 import pytest
@@ -25,11 +26,11 @@ POINTS = [
 ]
 
 
-def hf_t5(point, **extra):
+def hf_t5(point, attention="eager", **extra):
     b, s, s_d, h, f, a, d_kv, L, L_d, V = point
     torch.manual_seed(0)
     cfg = transformers.T5Config(d_model=h, d_ff=f, num_heads=a, d_kv=d_kv, num_layers=L, num_decoder_layers=L_d,
-                                vocab_size=V, attn_implementation="eager", use_cache=False,
+                                vocab_size=V, attn_implementation=attention, use_cache=False,
                                 decoder_start_token_id=0, **extra)
     model = transformers.T5ForConditionalGeneration(cfg)
     model.train()
@@ -59,25 +60,27 @@ def assert_t5_step_exact(est, model, ids, labels, precision, opt, impl="for-loop
 
 
 CASES = [
-    # point, feed_forward_proj, tie_word_embeddings, dropout_rate, precision, optimizer, implementation
-    (POINTS[0], "relu", True, 0.1, "fp32", "adamw", "for-loop"),
-    (POINTS[0], "relu", True, 0.1, "bf16-mixed", "adamw", "foreach"),
-    (POINTS[0], "relu", True, 0.1, "bf16", "sgd", "for-loop"),
-    (POINTS[1], "gated-gelu", False, 0.1, "bf16-mixed", "adamw", "for-loop"),
-    (POINTS[1], "gated-gelu", False, 0.1, "bf16", "sgd-momentum", "for-loop"),
-    (POINTS[2], "gated-gelu", False, 0.1, "fp32", "adam", "foreach"),
-    (POINTS[2], "relu", True, 0.0, "bf16-mixed", "sgd", "for-loop"),     # no dropout: nothing saved for it
+    # point, attention, feed_forward_proj, tie_word_embeddings, dropout_rate, precision, optimizer, implementation
+    (POINTS[0], "eager", "relu", True, 0.1, "fp32", "adamw", "for-loop"),
+    (POINTS[0], "eager", "relu", True, 0.1, "bf16-mixed", "adamw", "foreach"),
+    (POINTS[0], "sdpa", "relu", True, 0.1, "bf16", "sgd", "for-loop"),
+    (POINTS[1], "sdpa", "gated-gelu", False, 0.1, "bf16-mixed", "adamw", "for-loop"),
+    (POINTS[1], "eager", "gated-gelu", False, 0.1, "bf16", "sgd-momentum", "for-loop"),
+    (POINTS[2], "sdpa", "gated-gelu", False, 0.1, "fp32", "adam", "foreach"),
+    (POINTS[2], "eager", "relu", True, 0.0, "bf16-mixed", "sgd", "for-loop"),     # no dropout: nothing saved for it
 ]
 
 
-@pytest.mark.parametrize("point,ff,tie,p,precision,opt,impl", CASES,
-                         ids=[f"s{pt[1]}-sd{pt[2]}-h{pt[3]}-dkv{pt[6]}-L{pt[7]}.{pt[8]}-{ff}-p{p}-{pr}-{o}-{i}"
-                              for pt, ff, _, p, pr, o, i in CASES])
-def test_t5_exact(point, ff, tie, p, precision, opt, impl):
+@pytest.mark.parametrize("point,attention,ff,tie,p,precision,opt,impl", CASES,
+                         ids=[f"s{pt[1]}-sd{pt[2]}-h{pt[3]}-dkv{pt[6]}-L{pt[7]}.{pt[8]}-{at}-{ff}-p{p}-{pr}-{o}-{i}"
+                              for pt, at, ff, _, p, pr, o, i in CASES])
+def test_t5_exact(point, attention, ff, tie, p, precision, opt, impl):
     """Parameters (the shared embedding tied to both stacks and the head, each stack's bucket
-    table n_b x a), saved bytes, the peak, its phase and every phase's maximum."""
+    table n_b x a), saved bytes, the peak, its phase and every phase's maximum. SDPA on the CPU
+    with dropout runs the math kernel with the bias as its float mask: a contiguous copy of the
+    encoder's bias per layer, the decoder's masked by ``torch.where`` (its bool condition saved)."""
     b, s, s_d, h, f, a, d_kv, L, L_d, V = point
-    cfg, model = hf_t5(point, feed_forward_proj=ff, tie_word_embeddings=tie, dropout_rate=p)
+    cfg, model = hf_t5(point, attention, feed_forward_proj=ff, tie_word_embeddings=tie, dropout_rate=p)
     if precision == "bf16":
         model.to(torch.bfloat16)
     est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", impl))
@@ -94,7 +97,7 @@ def test_two_lengths_and_symbols():
     bias's bucket table is n_b * a per stack. Parameters of a v1.0 T5 with a*d = h: the shared
     embedding V h, per encoder layer 4h^2 + 2fh + 2h, per decoder layer 8h^2 + 2fh + 3h, two
     tables 2 n_b a and two final norms 2h."""
-    est = sm.estimate("t5-small", sm.Policy("bf16-mixed", "adamw"))
+    est = sm.estimate("t5-small", sm.Policy("bf16-mixed", "adamw", attention="eager"))
     free = est.components["activations"].free_symbols
     assert {sm.symbols.s, sm.symbols.s_d, sm.symbols.b, sm.symbols.L} <= free
     B_w, V, h, f, a, L, n_b = (sm.symbols.B_w, sm.symbols.V, sm.symbols.h, sm.symbols.f, sm.symbols.a,
@@ -163,7 +166,7 @@ BASE = {"model_type": "t5", "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 
     ({"dropout_rate": 1.0}, "dropout_rate = 1.0 is not valid"),
     ({"num_layers": 1}, "num_layers = 1 is not valid: expected at least 2"),
     ({"num_decoder_layers": 1}, "num_decoder_layers = 1 is not valid: expected at least 2"),
-    ({"attn_implementation": "sdpa"}, "attn_implementation = 'sdpa' is not valid"),
+    ({"attn_implementation": "flash_attention_2"}, "attn_implementation = 'flash_attention_2' is not valid"),
     ({"gradient_checkpointing": True}, "gradient_checkpointing = True is not valid"),
     ({"d_kv": 0}, "d_kv = 0 is not valid: expected a positive integer"),
 ])
@@ -173,15 +176,19 @@ def test_bad_t5_config_is_refused(changes, words):
     assert words in str(e.value)
 
 
-def test_sdpa_and_float16_are_refused():
-    """T5's SDPA path (a float mask of the bias copied per layer) and a float16 model (clamped
-    after every sub-layer) are not modelled: refused where the kernel or the dtype is known."""
-    g = sm.models.from_hf_config(BASE)
+def test_fused_kernels_and_float16_are_refused():
+    """SDPA without dropout on the CPU (its flash kernel with a float mask that needs a
+    gradient), a fused kernel asked for, and a float16 model (clamped after every sub-layer)
+    are not modelled: refused where the kernel or the dtype is known."""
+    g = sm.models.from_hf_config({**BASE, "dropout_rate": 0.0})
     with pytest.raises(ConfigError) as e:
-        sm.estimate(g, sm.Policy("fp32", "sgd", attention="sdpa"))
-    assert "a kernel symmem models for" in str(e.value) and "--attention eager" in str(e.value)
+        sm.estimate(g, sm.Policy("fp32", "sgd", "cpu", attention="sdpa"))
+    assert "a kernel symmem models for" in str(e.value) and "(eager, math)" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        sm.estimate(g, sm.Policy("fp16", "sgd"))
+        sm.estimate(g, sm.Policy("bf16-mixed", "sgd", "cuda", attention="flash"))
+    assert "--attention eager" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        sm.estimate(g, sm.Policy("fp16", "sgd", attention="eager"))
     assert "T5 clamps float16 hidden states" in str(e.value)
 
 

@@ -25,16 +25,19 @@ What the model does, read off transformers 5's ``modeling_t5.py`` and measured o
   (``scale_decoder_outputs``);
 * the loss is ``CrossEntropyLoss`` over the logits (b s_d, V) and the labels, unshifted.
 
-Eager attention only: transformers' SDPA path for T5 turns the bias into a float mask copied
-per layer (``create_position_bias_mask``), for which PyTorch's CPU picks the math kernel with
-a mask that requires a gradient; symmem does not model that yet, so SDPA is refused
-(``--attention eager``).
+Attention: eager, or SDPA as transformers calls it (``sdpa_attention_forward``): the bias
+becomes SDPA's float mask (``create_position_bias_mask``: a contiguous copy per layer in the
+encoder, ``torch.where`` with the causal pattern in the decoder), for which PyTorch runs the
+math kernel on the CPU in training (dropout); SDPA without dropout on the CPU (its flash kernel
+with a mask needing a gradient) and the fused CUDA kernels (mem-efficient with a bias gradient)
+are refused, as are float16 models (``T5Block`` clamps float16 hidden states).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..graph import Graph
+from ..policy.attention import HF_NAMES
 from ..symbols import L, V, a, b, d_h, f, h, n_b, s, s_d
 from ..errors import ConfigError
 from . import checks
@@ -87,10 +90,10 @@ class T5Config:
         if self.scale_decoder_outputs is not None:
             checks.booleans(self, "scale_decoder_outputs")
         checks.attn_implementation(self)
-        if self.attn_implementation not in (None, "eager"):
-            raise ConfigError("attn_implementation", self.attn_implementation, "\"eager\", the kernel symmem "
-                              "models for T5 (its SDPA path turns the position bias into a float mask per "
-                              "layer, not modelled)", "Set attn_implementation to \"eager\".")
+        if self.attn_implementation not in (None, "eager", "sdpa"):
+            raise ConfigError("attn_implementation", self.attn_implementation, "\"eager\" or \"sdpa\", "
+                              "the implementations T5 has in transformers", "Set attn_implementation to "
+                              "\"sdpa\" (transformers' default) or \"eager\".")
 
     @property
     def decoder_layers(self) -> int:
@@ -119,7 +122,8 @@ def build_t5(cfg: T5Config) -> Graph:
     """The operator graph of one T5ForConditionalGeneration training forward (``input_ids``
     (b, s), ``labels`` (b, s_d)), loss included."""
     g = Graph(cfg.name, cfg.bindings())
-    g.attention = "eager"
+    if cfg.attn_implementation is not None:
+        g.attention = HF_NAMES[cfg.attn_implementation]
     g.require(2, L, "T5's first layer computes the position bias: symmem writes it out and repeats the "
                     "other L - 1")
     d = d_h if cfg.own_head_dim else h / a
@@ -160,8 +164,10 @@ def build_t5(cfg: T5Config) -> Graph:
                     g.hold(v_, until=values)
             elif bias == "zeros":
                 bias = g.add("zeros_bias", q, k, name=f"{pre}{sub}/position_bias")
+            mode = "causal" if decoder and mod == "SelfAttention" else "contiguous"
             z = g.add("attention", q, k, v, bias, *masks, dropout=p, causal=False, probs_like="keep",
-                      kernels=("eager",), weights_until=until, name=f"{pre}{sub}/context")
+                      kernels=("eager", "math"), bias_mask=mode, returns_after=f"{pre}{sub}/merge",
+                      weights_until=until, name=f"{pre}{sub}/context")
             z = g.add("merge_heads", z, name=f"{pre}{sub}/merge")
             z = linear(f"{sub}.{mod}.o", z, inner, h)
             for v_ in (q, k, v):           # T5Attention's locals until it returns
@@ -298,7 +304,7 @@ FAMILY = register(Family(
     name="t5",
     description="T5 v1.0 and v1.1 as Hugging Face's T5ForConditionalGeneration runs them (encoder and "
                 "decoder, relative position bias, cross-attention, ReLU or gated-GELU feed-forward, "
-                "eager attention)",
+                "eager or SDPA attention)",
     config=T5Config,
     build=build_t5,
     model_types=("t5",),

@@ -11,14 +11,15 @@ picks its backend per device, dtype and dropout as PyTorch does) and rewrites th
   number: an 8-byte wrapped scalar on the CPU), ``+ mask`` (each input after v added in
   order: T5's position bias, then its mask), softmax (in float32 with
   ``softmax_float32``), the cast to the value's dtype (the query's with
-  ``probs_like="query"``: Llama's; none with ``probs_like="keep"``: T5's), dropout (the repeated k and v live until the node
-  ``returns_after`` names, where the model's eager function returns),
-  ``matmul(probs, v)``; the probabilities are returned and kept by the model until
+  ``probs_like="query"``: Llama's; none with ``probs_like="keep"``: T5's), dropout (the
+  repeated k and v live until the node ``returns_after`` names, where the model's eager
+  function returns), ``matmul(probs, v)``; the probabilities are returned and kept by the model until
   ``weights_until`` has run (Hugging Face's blocks hold ``attn_weights``);
 - ``math`` (``_scaled_dot_product_attention_math``): half inputs upcast to float32 (on
   the CPU), q and k each scaled by ``sqrt(scale)`` (a C++ scalar: nothing saved), the
-  causal mask built as an (s, s) additive tensor, ``matmul``, ``+ mask``, softmax,
-  dropout, ``matmul(probs, v)``, the output cast back;
+  causal mask built as an (s, s) additive tensor (or, with ``bias_mask``, T5's position
+  bias made the float mask: :func:`~symmem.rules.relative.bias_mask_rule`), ``matmul``,
+  ``+ mask``, softmax, dropout, ``matmul(probs, v)``, the output cast back;
 - ``flash``, ``mem-efficient``, ``cudnn``: one ``sdpa_kernel`` node (its rule in
   :mod:`symmem.rules.attention`).
 
@@ -41,7 +42,7 @@ __all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS"]
 #: The attention node's own attributes (the others are scope attributes its replacement keeps;
 #: it adds ``attention_kernel``, the kernel that made it).
 OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32", "returns_after",
-             "window", "kernels")
+             "window", "kernels", "bias_mask")
 
 
 def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple[str, tuple]:
@@ -156,11 +157,21 @@ def _eager(node, g: Graph, ctx) -> None:
 
 
 def _math(node, g: Graph, ctx) -> None:
+    mask = None
+    if node.attr("bias_mask"):
+        # T5: transformers' create_position_bias_mask turns the position bias into SDPA's float
+        # attn_mask (the input after v; any mask after it is the eager one, unused), kept by
+        # sdpa_attention_forward until it returns; autocast casts it at SDPA's entry
+        pre = _prefix(node)
+        mask = g.add("bias_mask", node.inputs[3], mode=node.attr("bias_mask"), name=pre + "bias_mask")
+        g.hold(mask, until=node.attr("returns_after", node.name))
+        mask = g.add("autocast_copy", mask, aten="scaled_dot_product_attention", name=pre + "mask_cast")
+        g.hold(mask, until=node.name)
     with g.scope(autocast=False):      # autocast casts at scaled_dot_product_attention's entry
-        _math_ops(node, g, ctx)
+        _math_ops(node, g, ctx, mask)
 
 
-def _math_ops(node, g: Graph, ctx) -> None:
+def _math_ops(node, g: Graph, ctx, attn_mask=None) -> None:
     """``_scaled_dot_product_attention_math`` (``aten/src/ATen/native/transformers/attention.cpp``),
     op by op, with what its C++ locals keep until it returns."""
     q, k, v = node.inputs[:3]
@@ -177,6 +188,8 @@ def _math_ops(node, g: Graph, ctx) -> None:
         g.hold(mask, until=node.name)       # the local attn_mask
     ks = g.add("scale", k, scalar="c++", name=pre + "k_scaled")
     z = g.add("matmul", qs, ks, transpose_b=True, name=pre + "scores")
+    if attn_mask:                           # a float attn_mask: attn.add_(attn_mask)
+        z = g.add("add", z, attn_mask, inplace=True, name=pre + "attn_masked")
     if mask:
         z = g.add("add", z, mask, inplace=True, name=pre + "masked")
     z = g.add("softmax", z, safe=True, name=pre + "softmax")

@@ -43,7 +43,7 @@ Layout (module -> rules):
   offset_ids (OPT's positions), rotary, rope, causal_mask;
 - ``losses``: nll_loss;
 - ``relative``: T5's relative position bias (position_pair, relative_position, position_bucket,
-  bias_heads, zeros_bias), shift_right, autocast_copy, t5_layer_norm, fp16_clamp.
+  bias_heads, zeros_bias, bias_mask), shift_right, autocast_copy, t5_layer_norm, fp16_clamp.
 
 A new op is a function in the module of its kind (or a new kind module imported
 below). The rules were read off PyTorch's autograd formulas (``derivatives.yaml``)
@@ -67,9 +67,9 @@ from .linalg import linear_rule, matmul_rule
 from .losses import nll_loss_rule
 from .normalization import layer_norm_rule, log_softmax_rule, rms_norm_rule, softmax_rule
 from .quantized import linear_int4_rule, linear_int8_rule
-from .relative import (autocast_copy_rule, bias_heads_rule, fp16_clamp_rule, position_bucket_rule,  # noqa: F401
-                       position_pair_rule, relative_position_rule, shift_right_rule, t5_layer_norm_rule,
-                       zeros_bias_rule)
+from .relative import (autocast_copy_rule, bias_heads_rule, bias_mask_rule, fp16_clamp_rule,  # noqa: F401
+                       position_bucket_rule, position_pair_rule, relative_position_rule, shift_right_rule,
+                       t5_layer_norm_rule, zeros_bias_rule)
 from .views import carry_rule, heads_rule, input_rule, merge_heads_rule, repeat_kv_rule, split_rule
 
 __all__ = ["DType", "TensorInfo", "Saved", "Footprint", "Ctx", "NodeLike", "Rule", "rule",

@@ -1,6 +1,7 @@
-"""Encoder-decoder ops of T5 (transformers' ``modeling_t5.py``): the relative position bias,
-the decoder's input ids made from the labels, T5's layer norm in a half-precision model,
-the cast autocast makes at a loss's entry, and T5's float16 clamp.
+"""Encoder-decoder ops of T5 (transformers' ``modeling_t5.py``): the relative position bias
+(and the float mask SDPA gets made of it), the decoder's input ids made from the labels, T5's
+layer norm in a half-precision model, the copy autocast makes at an op's entry (the loss, SDPA's
+mask), and T5's float16 clamp.
 
 The position bias is computed once per stack, in its first layer (``T5Attention.compute_bias``),
 and added to the scores of every layer; none of these ops is on an autocast list but
@@ -13,7 +14,7 @@ import sympy as sp
 from ..errors import ConfigError
 from .core import BOOL, F32, I64, Footprint, Saved, TensorInfo, _grads, rule
 
-__all__ = ["position_pair_rule", "relative_position_rule", "position_bucket_rule", "bias_heads_rule",
+__all__ = ["bias_mask_rule", "position_pair_rule", "relative_position_rule", "position_bucket_rule", "bias_heads_rule",
            "zeros_bias_rule", "shift_right_rule", "autocast_copy_rule", "t5_layer_norm_rule", "fp16_clamp_rule"]
 
 
@@ -73,6 +74,32 @@ def bias_heads_rule(node, ins, ctx):
     sq, sk, a = x.shape
     out = TensorInfo((sp.Integer(1), a, sq, sk), x.dtype, False, x.requires_grad)
     return Footprint(out, alias=0, grads=_grads(ins, "pass"))
+
+
+@rule("bias_mask")
+def bias_mask_rule(node, ins, ctx):
+    """transformers' ``create_position_bias_mask`` (``integrations/sdpa_attention.py``): the
+    position bias made SDPA's float ``attn_mask``, ``.contiguous()``. ``mode``:
+
+    - ``"contiguous"`` (no mask, not causal: T5's encoder): the bias itself, copied where it is
+      a view that is not contiguous (the first layer's permuted embedding: a copy per layer);
+      the copy's gradient is handed on;
+    - ``"causal"`` (T5's decoder): ``torch.where(arange(s_q)[:, None] >= arange(s_k)[None, :],
+      bias, min)``: a new tensor; WhereBackward saves the (s_q, s_k) bool condition; the two
+      int64 aranges (8 (s_q + s_k) bytes) exist while the condition is made."""
+    x = ins[0]
+    mode = node.attr("mode")
+    if mode == "contiguous":
+        if x.contiguous:
+            return Footprint(x, alias=0, grads=_grads(ins, "pass"))
+        return Footprint(TensorInfo(x.shape, x.dtype, True, x.requires_grad), grads=_grads(ins, "pass"))
+    if mode != "causal":
+        raise ConfigError("bias_mask mode", mode, "contiguous or causal")
+    sq, sk = x.shape[-2], x.shape[-1]
+    out = TensorInfo(x.shape, x.dtype, True, x.requires_grad)
+    saved = (Saved("where condition", "new", sq * sk, BOOL),) if x.requires_grad else ()
+    temp = sp.Max(0, 8 * (sq + sk) - out.nbytes - (0 if x.requires_grad else sq * sk))
+    return Footprint(out, saved=saved, fwd_temp=temp, grads=_grads(ins))
 
 
 @rule("zeros_bias")
