@@ -74,7 +74,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("point,attention,ff,tie,p,precision,opt,impl", CASES,
-                         ids=[f"s{pt[1]}-sd{pt[2]}-h{pt[3]}-dkv{pt[6]}-L{pt[7]}.{pt[8]}-{at}-{ff}-p{p}-{pr}-{o}-{i}"
+                         ids=[f"b{pt[0]}-s{pt[1]}-sd{pt[2]}-h{pt[3]}-dkv{pt[6]}-L{pt[7]}.{pt[8]}-{at}-{ff}-p{p}-{pr}-{o}-{i}"
                               for pt, at, ff, _, p, pr, o, i in CASES])
 def test_t5_exact(point, attention, ff, tie, p, precision, opt, impl):
     """Parameters (the shared embedding tied to both stacks and the head, each stack's bucket
