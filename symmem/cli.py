@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="micro-batch size b (sequences per step on one device)")
     est.add_argument("--seq", type=positive_int, required=True, metavar="S",
                      help="sequence length s (tokens per sequence)")
+    _decoder_seq_option(est)
     est.add_argument("--format", default="table", choices=FORMATS,
                      help="table (for people), json (for scripts), latex (default: %(default)s)")
     est.set_defaults(func=cmd_estimate)
@@ -195,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sequence length s (tokens per sequence)")
     mb.add_argument("--new-tokens", type=positive_int, metavar="N",
                     help="with --mode inference: tokens generated n_g")
+    _decoder_seq_option(mb)
     _budget_options(mb)
     mb.set_defaults(func=cmd_max_batch)
 
@@ -214,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--batch", type=positive_int, metavar="B", help="fix b")
     sv.add_argument("--seq", type=positive_int, metavar="S", help="fix s")
     sv.add_argument("--new-tokens", type=positive_int, metavar="N", help="fix n_g (--mode inference)")
+    _decoder_seq_option(sv)
     sv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="fix any other symbol, e.g. --set L=48 (repeatable)")
     _budget_options(sv)
@@ -358,16 +361,16 @@ def _report(args, policy: Policy) -> dict:
     est = _load(args, policy)
     bindings = est.bindings
     inference = policy.mode == "inference"
-    ev = est.at(b=args.batch, s=args.seq, **({"n_g": args.new_tokens} if inference else {}))
+    ev = est.at(b=args.batch, s=args.seq, **_decoder(args), **({"n_g": args.new_tokens} if inference else {}))
     point = ev.peak_point
     active = canonical(point.total)
-    regions = () if inference or args.format == "latex" else est.regions()   # no n_g axis on the grid
+    regions = () if inference or args.format == "latex" else est.regions(**_decoder(args))  # no n_g axis
     r = {
         "est": est, "ev": ev, "active": active, "regions": regions,
         "json": {
             "symmem_version": __version__,
             "inputs": {"model": est.graph.name, "config": args.config, "batch": args.batch,
-                       "seq": args.seq, "tie": getattr(args, "tie", None),
+                       "seq": args.seq, **_decoder(args), "tie": getattr(args, "tie", None),
                        "share": list(getattr(args, "share", None) or ()), **policy_inputs(est.policy),
                        "attention_kernels": list(est.kernels)},
             "batch_per_step": args.batch * policy.accumulate,     # b*K sequences per optimizer step
@@ -511,6 +514,16 @@ def render_latex(args, policy: Policy, r: dict) -> str:
 
 # --------------------------------------------------------------------------- solve
 
+def _decoder_seq_option(parser) -> None:
+    parser.add_argument("--decoder-seq", type=positive_int, metavar="S_D",
+                        help="decoder (target) length s_d of an encoder-decoder model (T5's labels)")
+
+
+def _decoder(args) -> dict:
+    """``{"s_d": --decoder-seq}`` where it was given."""
+    return {"s_d": args.decoder_seq} if getattr(args, "decoder_seq", None) is not None else {}
+
+
 def _fixed(args) -> dict:
     fixed = {}
     if getattr(args, "batch", None) is not None:
@@ -519,6 +532,7 @@ def _fixed(args) -> dict:
         fixed["s"] = args.seq
     if getattr(args, "new_tokens", None) is not None:
         fixed["n_g"] = args.new_tokens
+    fixed.update(_decoder(args))
     for item in getattr(args, "set", []):
         name, sep, value = item.partition("=")
         if not sep or not value.strip().isdigit() or int(value) < 1:
@@ -549,7 +563,7 @@ def _solution_json(sol, bud, est) -> dict:
 
 
 #: The option that fixes a symbol; any other is fixed with --set NAME=VALUE.
-SHELL_FLAGS = {"b": "--batch B", "s": "--seq S"}
+SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D"}
 
 
 def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:

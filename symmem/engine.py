@@ -256,26 +256,29 @@ class Estimate:
         """Every point of the step, in order (before pruning)."""
         return list(self._timeline.points)
 
-    def regions(self, b_max: int = 2**16, points: int = 65) -> tuple["Region", ...]:
+    def regions(self, b_max: int = 2**16, points: int = 65, **fixed) -> tuple["Region", ...]:
         """Which candidate of the peak binds where: the peak's candidates evaluated with the
         model's and the policy's numbers on a grid of ``points`` x ``points`` (b, s), each
         axis log-spaced from 1 to ``b_max`` and to ``s_max`` (``b_max`` where the model has
         no s_max). The candidates that are the largest somewhere on it, most points first;
-        the others never bind there (:attr:`peak` keeps them all). The grid is a sample, not
+        the others never bind there (:attr:`peak` keeps them all). ``fixed``: values of
+        other unbound symbols (an encoder-decoder's ``s_d``). The grid is a sample, not
         a proof: between its points another candidate can lead by a few bytes. Kept per
-        (``b_max``, ``points``): asked again, and from the cache on disk, they are not recomputed."""
+        arguments: asked again, and from the cache on disk, they are not recomputed."""
         memo = self.__dict__.setdefault("_regions", {})
-        if (b_max, points) not in memo:
-            memo[b_max, points] = self._regions_on_grid(b_max, points)
-        return memo[b_max, points]
+        key = (b_max, points, tuple(sorted(fixed.items())))
+        if key not in memo:
+            memo[key] = self._regions_on_grid(b_max, points, fixed)
+        return memo[key]
 
-    def _regions_on_grid(self, b_max: int, points: int) -> tuple["Region", ...]:
+    def _regions_on_grid(self, b_max: int, points: int, fixed: dict) -> tuple["Region", ...]:
         import numpy as np
         from .symbols import s_max
         top = int(self.bindings.get(s_max, b_max))
         axis = [np.unique(np.round(np.logspace(0, np.log2(n), points, base=2)).astype(np.int64)) for n in (b_max, top)]
         grid_b, grid_s = np.meshgrid(*axis, indexing="ij")
-        f = [sp.lambdify([b, s], t.xreplace(self.bindings), "numpy") for t in self.totals]
+        at = {**self.bindings, **{symbol(k): sp.Integer(v) for k, v in fixed.items()}}
+        f = [sp.lambdify([b, s], t.xreplace(at), "numpy") for t in self.totals]
         values = np.array([np.broadcast_to(fn(grid_b, grid_s), grid_b.shape).astype(float) for fn in f])
         win = values.argmax(axis=0)
         out = []

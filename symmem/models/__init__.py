@@ -20,7 +20,7 @@ from .registry import (BOOKKEEPING, PRESETS, REGISTRY, DuplicateName, Family, Pr
                        model_types, preset, preset_config, register, summaries)
 
 # The family modules: importing one registers it.
-from . import bert, gpt2, gpt_neox, llama, mistral, mixtral, opt, qwen2, resnet, vit  # noqa: E402  (after the registry)
+from . import bert, gpt2, gpt_neox, llama, mistral, mixtral, opt, qwen2, resnet, t5, vit  # noqa: E402  (after the registry)
 from .gpt2 import GPT2Config, build_gpt2  # noqa: E402
 from .llama import LlamaConfig, build_llama  # noqa: E402
 from .gpt_neox import GPTNeoXConfig  # noqa: E402
@@ -31,6 +31,7 @@ from .mixtral import MixtralConfig  # noqa: E402
 from .bert import BertConfig, build_bert  # noqa: E402
 from .resnet import ResNetConfig  # noqa: E402
 from .vit import ViTConfig  # noqa: E402
+from .t5 import T5Config  # noqa: E402
 
 __all__ = ["preset", "from_hf_config", "hf_config", "preset_config", "families", "family",
            "model_types", "summaries", "register", "PRESETS", "REGISTRY", "Registry", "Family",
@@ -39,4 +40,5 @@ __all__ = ["preset", "from_hf_config", "hf_config", "preset_config", "families",
            "Qwen2Config", "qwen2", "OPTConfig", "opt", "GPTNeoXConfig", "gpt_neox",
            "MixtralConfig", "mixtral",
            "BertConfig", "build_bert", "bert",
-           "ResNetConfig", "resnet", "ViTConfig", "vit"]
+           "ResNetConfig", "resnet", "ViTConfig", "vit",
+           "T5Config", "t5"]

@@ -153,7 +153,7 @@ def build_bert(cfg: BertConfig) -> Graph:
         # then dropout; it returns the probabilities, which BertLayer keeps in `_` until it returns
         with g.scope(recompute="attention"):
             z = g.add("attention", q, k, v, *((mask,) if cfg.padded else ()), dropout=cfg.attention_probs_dropout_prob,
-                      causal=False, probs_like="none", padded=cfg.padded,
+                      causal=False, probs_like="keep", padded=cfg.padded,
                       weights_until="layer/output/LayerNorm", name="layer/attention/self/context")
         # eager's attn_output.transpose(1, 2).contiguous(); the reshape after it is a view
         z = g.add("merge_heads", z, name="layer/attention/self/merge")

@@ -8,23 +8,26 @@ picks its backend per device, dtype and dropout as PyTorch does) and rewrites th
 
 - ``eager``: k and v repeated to q's heads where the node has ``groups`` > 1 (grouped-query
   attention, transformers' ``repeat_kv``), ``matmul(q, k^T)``, ``* scaling`` (a Python
-  number: an 8-byte wrapped scalar on the CPU), ``+ mask``, softmax (in float32 with
+  number: an 8-byte wrapped scalar on the CPU), ``+ mask`` (each input after v added in
+  order: T5's position bias, then its mask), softmax (in float32 with
   ``softmax_float32``), the cast to the value's dtype (the query's with
-  ``probs_like="query"``: Llama's; none with ``probs_like="none"``: BERT's), dropout (the repeated k and v live until the node
-  ``returns_after`` names, where the model's eager function returns),
-  ``matmul(probs, v)``; the probabilities are returned and kept by the model until
+  ``probs_like="query"``: Llama's; none with ``probs_like="keep"``: BERT's and T5's), dropout (the
+  repeated k and v live until the node ``returns_after`` names, where the model's eager
+  function returns), ``matmul(probs, v)``; the probabilities are returned and kept by the model until
   ``weights_until`` has run (Hugging Face's blocks hold ``attn_weights``);
 - ``math`` (``_scaled_dot_product_attention_math``): half inputs upcast to float32 (on
   the CPU), q and k each scaled by ``sqrt(scale)`` (a C++ scalar: nothing saved), the
-  causal mask built as an (s, s) additive tensor, ``matmul``, ``+ mask``, softmax,
-  dropout, ``matmul(probs, v)``, the output cast back;
+  causal mask built as an (s, s) additive tensor (or, with ``bias_mask``, T5's position
+  bias made the float mask: :func:`~symmem.rules.relative.bias_mask_rule`), ``matmul``,
+  ``+ mask``, softmax, dropout, ``matmul(probs, v)``, the output cast back;
 - ``flash``, ``mem-efficient``, ``cudnn``: one ``sdpa_kernel`` node (its rule in
   :mod:`symmem.rules.attention`).
 
 Every kernel but eager is called with ``is_causal=True`` and no mask: transformers'
 ``create_causal_mask`` returns None for them when nothing is padded, so the model's
 ``causal_mask`` node is removed too. The replacement's nodes keep the attention node's
-scope attributes (``recompute="attention"`` for selective recomputation).
+scope attributes (``recompute="attention"`` for selective recomputation). A node with
+``kernels`` (a tuple of kernel names) is modelled for those only: another is refused.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ __all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS"]
 #: The attention node's own attributes (the others are scope attributes its replacement keeps;
 #: it adds ``attention_kernel``, the kernel that made it).
 OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32", "returns_after",
-             "window", "padded")
+             "window", "padded", "kernels", "bias_mask")
 
 
 def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple[str, tuple]:
@@ -69,6 +72,11 @@ def prepare(graph: Graph, policy) -> Graph:
         d = sp.sympify(sub.shape(q)[-1])
         ctx = base.float32() if node.attr("fp32") else base        # a module kept in float32
         kernel, head_needs = kernel_of(policy, ctx.act_name, p, d.xreplace(graph.bindings), graph.attention)
+        if node.attr("kernels") and kernel not in node.attr("kernels"):
+            raise ConfigError("attention", kernel, f"a kernel symmem models for {graph.name!r}'s attention "
+                              f"({', '.join(node.attr('kernels'))})",
+                              f"Use --attention {node.attr('kernels')[0]} (attn_implementation="
+                              f"\"{node.attr('kernels')[0]}\").")
         needs.extend(n.requirement(d) for n in head_needs)
         if node.attr("padded") and kernel != "eager":
             raise ConfigError("attention", kernel, "eager attention for batches with padding (padded: true)",
@@ -131,7 +139,7 @@ def _prefix(node) -> str:
 
 
 def _eager(node, g: Graph, ctx) -> None:
-    q, k, v, *mask = node.inputs
+    q, k, v, *masks = node.inputs
     pre = _prefix(node)
     groups = node.attr("groups", 1)
     if sp.sympify(groups) != 1:        # grouped-query attention: k and v repeated to a heads
@@ -141,10 +149,10 @@ def _eager(node, g: Graph, ctx) -> None:
             g.hold(x, until=node.attr("returns_after", node.name))
     z = g.add("matmul", q, k, transpose_b=True, name=pre + "scores")
     z = g.add("scale", z, name=pre + "scale")
-    if mask:
-        z = g.add("add", z, mask[0], name=pre + "mask")
+    for i, m in enumerate(masks):       # added in order (T5: its position bias, then the mask)
+        z = g.add("add", z, m, name=pre + ("mask" if i == 0 else f"mask{i}"))
     z = g.add("softmax", z, float32=node.attr("softmax_float32", False), name=pre + "softmax")
-    if node.attr("probs_like") != "none":      # BERT's eager function does not cast them
+    if node.attr("probs_like") != "keep":      # BERT's and T5's eager attention do not cast them
         z = g.add("type_as", z, q if node.attr("probs_like") == "query" else v, name=pre + "probs")
     z = g.add("dropout", z, p=node.attr("dropout", 0.0), name=pre + "attn_dropout")
     g.add("matmul", z, v, name=node.name)
@@ -153,11 +161,21 @@ def _eager(node, g: Graph, ctx) -> None:
 
 
 def _math(node, g: Graph, ctx) -> None:
+    mask = None
+    if node.attr("bias_mask"):
+        # T5: transformers' create_position_bias_mask turns the position bias into SDPA's float
+        # attn_mask (the input after v; any mask after it is the eager one, unused), kept by
+        # sdpa_attention_forward until it returns; autocast casts it at SDPA's entry
+        pre = _prefix(node)
+        mask = g.add("bias_mask", node.inputs[3], mode=node.attr("bias_mask"), name=pre + "bias_mask")
+        g.hold(mask, until=node.attr("returns_after", node.name))
+        mask = g.add("autocast_copy", mask, aten="scaled_dot_product_attention", name=pre + "mask_cast")
+        g.hold(mask, until=node.name)
     with g.scope(autocast=False):      # autocast casts at scaled_dot_product_attention's entry
-        _math_ops(node, g, ctx)
+        _math_ops(node, g, ctx, mask)
 
 
-def _math_ops(node, g: Graph, ctx) -> None:
+def _math_ops(node, g: Graph, ctx, attn_mask=None) -> None:
     """``_scaled_dot_product_attention_math`` (``aten/src/ATen/native/transformers/attention.cpp``),
     op by op, with what its C++ locals keep until it returns."""
     q, k, v = node.inputs[:3]
@@ -174,6 +192,8 @@ def _math_ops(node, g: Graph, ctx) -> None:
         g.hold(mask, until=node.name)       # the local attn_mask
     ks = g.add("scale", k, scalar="c++", name=pre + "k_scaled")
     z = g.add("matmul", qs, ks, transpose_b=True, name=pre + "scores")
+    if attn_mask:                           # a float attn_mask: attn.add_(attn_mask)
+        z = g.add("add", z, attn_mask, inplace=True, name=pre + "attn_masked")
     if mask:
         z = g.add("add", z, mask, inplace=True, name=pre + "masked")
     z = g.add("softmax", z, safe=True, name=pre + "softmax")

@@ -48,7 +48,9 @@ Layout (module -> rules):
 - ``encoders``: buffer_slice, padding_mask, cross_entropy_cast (BERT);
 - ``vision``: conv2d, batch_norm, relu_ (in place), max_pool2d, mean_pool, flatten, ce_input,
   ce_log_softmax (convolutional networks and ``F.cross_entropy``), patch_tokens, cls_concat,
-  add_param, select_token (the vision transformer's embeddings and head).
+  add_param, select_token (the vision transformer's embeddings and head);
+- ``relative``: T5's relative position bias (position_pair, relative_position, position_bucket,
+  bias_heads, zeros_bias, bias_mask), shift_right, autocast_copy, t5_layer_norm, fp16_clamp.
 
 A new op is a function in the module of its kind (or a new kind module imported
 below). The rules were read off PyTorch's autograd formulas (``derivatives.yaml``)
@@ -76,6 +78,9 @@ from .moe import (div_inplace_rule, gather_rows_rule, grouped_mm_rule, index_ten
                   sum_last_rule, sum_topk_rule, topk_indices_rule, topk_rule)
 from .normalization import layer_norm_rule, log_softmax_rule, rms_norm_rule, softmax_rule
 from .quantized import linear_int4_rule, linear_int8_rule
+from .relative import (autocast_copy_rule, bias_heads_rule, bias_mask_rule, fp16_clamp_rule,  # noqa: F401
+                       position_bucket_rule, position_pair_rule, relative_position_rule, shift_right_rule,
+                       t5_layer_norm_rule, zeros_bias_rule)
 from .views import carry_rule, heads_rule, input_rule, merge_heads_rule, repeat_kv_rule, split_rule
 from .vision import (add_param_rule, batch_norm_rule, ce_input_rule, ce_log_softmax_rule, cls_concat_rule,
                      conv2d_rule, flatten_rule, max_pool2d_rule, mean_pool_rule, patch_tokens_rule,

@@ -1,0 +1,213 @@
+"""T5 against Hugging Face's own ``T5ForConditionalGeneration`` on the CPU: random weights from
+small configs (no download), v1.0 (ReLU) and v1.1 (gated GELU, unscaled head), an inner
+attention width other than d_model, fewer decoder layers, labels of another length than the
+inputs; float32, bfloat16 autocast and a bfloat16 model; eager attention and SDPA (whose CPU
+kernel with dropout is the math fallback, the position bias its float mask). Parameters, bytes
+saved for backward, the training step's peak, its phase and every phase's maximum, to the byte.
+"""
+import pytest
+import sympy as sp
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import symmem as sm  # noqa: E402
+from symmem.errors import ConfigError, UnknownName  # noqa: E402
+from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
+from test_gpt2_measured import optimizer  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+# (b, s, s_d, h, f, a, d_kv, L, L_d, V)
+POINTS = [
+    (2, 16, 8, 32, 64, 4, 8, 3, 3, 100),      # a * d_kv = h; decoder shorter than the encoder
+    (2, 8, 12, 32, 64, 4, 16, 2, 2, 60),      # a * d_kv = 64 != h (the symbol d_h); decoder longer
+    (3, 12, 6, 48, 96, 6, 8, 3, 2, 80),       # two decoder layers under three encoder layers
+    (1, 16, 8, 32, 64, 4, 8, 3, 3, 100),      # b = 1 (Estimate.at_one)
+]
+
+
+def hf_t5(point, attention="eager", **extra):
+    b, s, s_d, h, f, a, d_kv, L, L_d, V = point
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(d_model=h, d_ff=f, num_heads=a, d_kv=d_kv, num_layers=L, num_decoder_layers=L_d,
+                                vocab_size=V, attn_implementation=attention, use_cache=False,
+                                decoder_start_token_id=0, **extra)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    model.train()
+    return cfg, model
+
+
+def graph_of(cfg):
+    return sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
+
+
+def assert_t5_step_exact(est, model, ids, labels, precision, opt, impl="for-loop"):
+    """Saved bytes, then the whole step: every phase's maximum, the peak and its phase."""
+    b, s = ids.shape
+    s_d = labels.shape[1]
+
+    def fwd():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            return model(input_ids=ids, labels=labels).loss
+    ev = est.at(b=b, s=s, s_d=s_d)
+    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    report = training_step(model, lambda m: fwd(), optimizer(opt, impl, model.parameters()), extra=(ids, labels))
+    subs = est._subs({"b": b, "s": s, "s_d": s_d})
+    predicted = {phase: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == phase)
+                 for phase in report.phase_peaks}
+    assert (predicted, ev.peak) == (report.phase_peaks, report.peak), (ev.peak_point.where, report.peak_op)
+    assert ev.peak_point.phase == report.peak_phase
+
+
+CASES = [
+    # point, attention, feed_forward_proj, tie_word_embeddings, dropout_rate, precision, optimizer, implementation
+    (POINTS[0], "eager", "relu", True, 0.1, "fp32", "adamw", "for-loop"),
+    (POINTS[0], "eager", "relu", True, 0.1, "bf16-mixed", "adamw", "foreach"),
+    (POINTS[0], "sdpa", "relu", True, 0.1, "bf16", "sgd", "for-loop"),
+    (POINTS[1], "sdpa", "gated-gelu", False, 0.1, "bf16-mixed", "adamw", "for-loop"),
+    (POINTS[1], "eager", "gated-gelu", False, 0.1, "bf16", "sgd-momentum", "for-loop"),
+    (POINTS[2], "sdpa", "gated-gelu", False, 0.1, "fp32", "adam", "foreach"),
+    (POINTS[2], "eager", "relu", True, 0.0, "bf16-mixed", "sgd", "for-loop"),     # no dropout: nothing saved for it
+    (POINTS[3], "sdpa", "gated-gelu", False, 0.1, "bf16", "adamw", "for-loop"),
+]
+
+
+@pytest.mark.parametrize("point,attention,ff,tie,p,precision,opt,impl", CASES,
+                         ids=[f"b{pt[0]}-s{pt[1]}-sd{pt[2]}-h{pt[3]}-dkv{pt[6]}-L{pt[7]}.{pt[8]}-{at}-{ff}-p{p}-{pr}-{o}-{i}"
+                              for pt, at, ff, _, p, pr, o, i in CASES])
+def test_t5_exact(point, attention, ff, tie, p, precision, opt, impl):
+    """Parameters (the shared embedding tied to both stacks and the head, each stack's bucket
+    table n_b x a), saved bytes, the peak, its phase and every phase's maximum. SDPA on the CPU
+    with dropout runs the math kernel with the bias as its float mask: a contiguous copy of the
+    encoder's bias per layer, the decoder's masked by ``torch.where`` (its bool condition saved)."""
+    b, s, s_d, h, f, a, d_kv, L, L_d, V = point
+    cfg, model = hf_t5(point, attention, feed_forward_proj=ff, tie_word_embeddings=tie, dropout_rate=p)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", impl))
+    if b == 1:
+        est = est.at_one
+    assert est.at(b=b, s=s, s_d=s_d).bytes["params"] == param_bytes(model)
+    ids = torch.randint(0, V, (b, s))
+    labels = torch.randint(0, V, (b, s_d))
+    assert_t5_step_exact(est, model, ids, labels, precision, opt, impl)
+
+
+# ----------------------------------------------------------------------------- formulas
+
+def test_two_lengths_and_symbols():
+    """The formula keeps s and s_d apart, d_h where a * d_kv != d_model, and n_b; the position
+    bias's bucket table is n_b * a per stack. Parameters of a v1.0 T5 with a*d = h: the shared
+    embedding V h, per encoder layer 4h^2 + 2fh + 2h, per decoder layer 8h^2 + 2fh + 3h, two
+    tables 2 n_b a and two final norms 2h."""
+    est = sm.estimate("t5-small", sm.Policy("bf16-mixed", "adamw", attention="eager"))
+    free = est.components["activations"].free_symbols
+    assert {sm.symbols.s, sm.symbols.s_d, sm.symbols.b, sm.symbols.L} <= free
+    B_w, V, h, f, a, L, n_b = (sm.symbols.B_w, sm.symbols.V, sm.symbols.h, sm.symbols.f, sm.symbols.a,
+                               sm.symbols.L, sm.symbols.n_b)
+    expected = B_w * (V * h + L * (4 * h**2 + 2 * f * h + 2 * h) + L * (8 * h**2 + 2 * f * h + 3 * h)
+                      + 2 * n_b * a + 2 * h)
+    assert sp.expand(est.components["params"] - expected) == 0
+    with pytest.raises(ConfigError) as e:
+        est.at(b=2, s=128)
+    assert "s_d" in str(e.value)
+    at = est.at(b=2, s=128, s_d=32)
+    assert at.peak < est.at(b=2, s=128, s_d=64).peak < est.at(b=2, s=256, s_d=64).peak
+
+
+def test_own_head_dim():
+    g = sm.models.from_hf_config({"model_type": "t5", "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 2,
+                                  "num_heads": 4, "vocab_size": 60})
+    assert sm.symbols.d_h in g.param_count().free_symbols   # q, k, v, o: 4 h a d_h per attention
+
+
+# ----------------------------------------------------------------------------- presets
+
+#: parameters as transformers 5.24 counts them (T5ForConditionalGeneration on the meta device);
+#: the v1.0 numbers are the published ones (t5-small 60.5M ... t5-11b 11.3B)
+PUBLISHED = {"t5-small": 60_506_624, "t5-base": 222_903_552, "t5-large": 737_668_096,
+             "t5-3b": 2_851_598_336, "t5-11b": 11_307_321_344, "t5-v1_1-base": 222_903_552}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_counts(name):
+    """t5-small: the shared embedding 32128*512 = 16,449,536; 6 encoder layers of
+    4*512^2 + 2*512*2048 + 2*512 = 3,146,752; 6 decoder layers of 8*512^2 + 2*512*2048 + 3*512
+    = 4,195,840; two bucket tables 2*32*8 = 512 and two final norms 1024: 60,506,624."""
+    g = sm.models.preset(name)
+    assert g.param_count().xreplace(g.bindings) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_counts_match_transformers(name):
+    """Each preset's config built by transformers on the meta device: the same count. T5 v1.1
+    (``tie_word_embeddings: false``) keeps a tied head in transformers 5, whose T5Config always
+    ties and reads the flag as ``scale_decoder_outputs`` only."""
+    c = sm.models.PRESETS[name]
+    hf = transformers.T5Config(d_model=c.d_model, d_ff=c.d_ff, num_layers=c.num_layers, num_heads=c.num_heads,
+                               d_kv=c.d_kv, feed_forward_proj=c.feed_forward_proj, vocab_size=c.vocab_size,
+                               tie_word_embeddings=c.tie_word_embeddings)
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(hf)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
+    assert hf.scale_decoder_outputs == c.scaled
+
+
+def test_hugging_face_ids_offline():
+    assert sm.models.preset("google-t5/t5-small").name == "t5-small"
+    assert sm.models.preset("GOOGLE/T5-V1_1-BASE").name == "t5-v1_1-base"
+
+
+# ----------------------------------------------------------------------------- refusals
+
+BASE = {"model_type": "t5", "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4,
+        "vocab_size": 100}
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"feed_forward_proj": "gated-swish"}, "unknown feed_forward_proj 'gated-swish'"),
+    ({"dropout_rate": 1.0}, "dropout_rate = 1.0 is not valid"),
+    ({"num_layers": 1}, "num_layers = 1 is not valid: expected at least 2"),
+    ({"num_decoder_layers": 1}, "num_decoder_layers = 1 is not valid: expected at least 2"),
+    ({"attn_implementation": "flash_attention_2"}, "attn_implementation = 'flash_attention_2' is not valid"),
+    ({"gradient_checkpointing": True}, "gradient_checkpointing = True is not valid"),
+    ({"d_kv": 0}, "d_kv = 0 is not valid: expected a positive integer"),
+])
+def test_bad_t5_config_is_refused(changes, words):
+    with pytest.raises((ConfigError, UnknownName)) as e:
+        sm.models.from_hf_config({**BASE, **changes})
+    assert words in str(e.value)
+
+
+def test_fused_kernels_and_float16_are_refused():
+    """SDPA without dropout on the CPU (its flash kernel with a float mask that needs a
+    gradient), a fused kernel asked for, and a float16 model (clamped after every sub-layer)
+    are not modelled: refused where the kernel or the dtype is known."""
+    g = sm.models.from_hf_config({**BASE, "dropout_rate": 0.0})
+    with pytest.raises(ConfigError) as e:
+        sm.estimate(g, sm.Policy("fp32", "sgd", "cpu", attention="sdpa"))
+    assert "a kernel symmem models for" in str(e.value) and "(eager, math)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        sm.estimate(g, sm.Policy("bf16-mixed", "sgd", "cuda", attention="flash"))
+    assert "--attention eager" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        sm.estimate(g, sm.Policy("fp16", "sgd", attention="eager"))
+    assert "T5 clamps float16 hidden states" in str(e.value)
+
+
+def test_cli_decoder_seq(capsys, tmp_path):
+    """``--decoder-seq`` gives s_d to estimate (and max-batch, solve); without it the error names
+    s_d and the flag's symbol."""
+    import json
+    from symmem.cli import main
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(BASE))
+    argv = ["estimate", "--config", str(path), "--batch", "2", "--seq", "16", "--precision", "fp32",
+            "--optimizer", "sgd", "--device", "cpu"]
+    assert main(argv + ["--decoder-seq", "8", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    est = sm.estimate(sm.models.from_hf_config(BASE), sm.Policy("fp32", "sgd", "cpu"))
+    assert out["inputs"]["s_d"] == 8 and out["bytes"]["peak"] == est.at(b=2, s=16, s_d=8).peak
+    assert main(argv) == 1
+    assert "s_d: decoder (target) sequence length" in capsys.readouterr().err
