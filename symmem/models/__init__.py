@@ -20,7 +20,9 @@ from .registry import (BOOKKEEPING, PRESETS, REGISTRY, DuplicateName, Family, Pr
                        model_types, preset, preset_config, register, summaries)
 
 # The family modules: importing one registers it.
-from . import bert, gpt2, gpt_neox, llama, mistral, mixtral, opt, qwen2, resnet, t5, vit  # noqa: E402  (after the registry)
+# (in the order `symmem models` lists them: gpt2 first, the decoders, then the others)
+from . import gpt2, gpt_neox, llama, mistral, mixtral, opt, qwen2  # noqa: E402  (after the registry)
+from . import bert, t5, resnet, vit  # noqa: E402
 from .gpt2 import GPT2Config, build_gpt2  # noqa: E402
 from .llama import LlamaConfig, build_llama  # noqa: E402
 from .gpt_neox import GPTNeoXConfig  # noqa: E402
