@@ -442,7 +442,8 @@ def render_table(args, policy: Policy, r: dict) -> str:
     dims = ", ".join(f"{k} = {v:,}" if isinstance(v, int) else f"{k} = {v}"
                      for k, v in j["bindings"].items() if not k.startswith("B_"))
     tokens = f", new tokens n_g = {args.new_tokens:,}" if policy.mode == "inference" else ""
-    out = [f"symmem {'infer' if tokens else 'estimate'}: {est.graph.name} ({source}), {j['parameters']:,} parameters",
+    tokens += "".join(f", decoder seq s_d = {v:,}" for v in _decoder(args).values())
+    out = [f"symmem {'infer' if policy.mode == 'inference' else 'estimate'}: {est.graph.name} ({source}), {j['parameters']:,} parameters",
            _policy_line(est),
            textwrap.fill(f"inputs: batch b = {args.batch:,}, seq s = {args.seq:,}{tokens}; model {dims}", WIDTH,
                          subsequent_indent="  "),
