@@ -73,9 +73,6 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-import symmem as sm
-from symmem.measure import param_bytes, saved_bytes, training_step
-
 __all__ = ["Case", "GRID", "FULL_GRID", "FAMILIES", "build", "measured", "symmem_answer", "llm_analysis_answer",
            "memtracker_answer", "COLUMNS"]
 
@@ -188,6 +185,8 @@ def _storage_bytes(tensors) -> int:
 
 
 def measured(case: Case) -> dict:
+    from symmem.measure import param_bytes, saved_bytes, training_step
+
     cfg, model = build(case)
     ids = batch(case, cfg.vocab_size)
     fwd = loss_fn(case, ids)
@@ -206,10 +205,12 @@ def measured(case: Case) -> dict:
 def symmem_graph(cfg):
     """symmem's graph of the config, as config.json would carry it (``to_dict()`` leaves
     out the attention implementation the model was built with)."""
+    import symmem as sm  # here, not above: speed.py times each tool's own import
     return sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
 
 
 def symmem_answer(case: Case, cfg=None) -> dict:
+    import symmem as sm
     cfg = cfg if cfg is not None else hf_config(case)
     est = sm.estimate(symmem_graph(cfg), sm.Policy(case.precision, case.optimizer, "cpu", "for-loop"))
     ev = est.at(b=case.b, s=case.s)
