@@ -22,7 +22,11 @@ loss); gradients = ``Gradient`` after backward; optimizer states = ``Optstate`` 
 step; peak = the ``Total`` of its peak snapshot. As for ``training_step``, a warm-up
 step runs first (the optimizer makes its state there) and the tracked step starts with
 the gradients set to None; the model, the optimizer and the batch are given to
-``track_external``.
+``track_external`` (so the token ids, which the embedding saves for backward, are its
+``Other``, not its ``Activation``). Under ``FakeTensorMode`` the traced program is not
+quite the real one: transformers cannot look at a fake mask's values, so where the real
+run calls SDPA with ``is_causal=True`` and no mask, the fake run materialises a float
+``(b, 1, s, s)`` mask and passes it (seen in the dispatched ``attn_mask``).
 
 llm-analysis 0.2.2, mapped from the same Hugging Face config (its ModelConfig,
 DtypeConfig, GPUConfig; each choice meant to give it the best inputs its API has):
