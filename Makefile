@@ -49,9 +49,11 @@ gpu-check: $(TEST_VENV)/.installed
 	$(TEST_VENV)/bin/python benchmarks/gpu_check.py --json gpu_check.json
 
 # symmem beside its peers (benchmarks/peers/): llm-analysis and PyTorch's MemTracker on a grid of
-# Hugging Face models measured on the CPU. A venv of its own: llm-analysis 0.2.2 declares
-# transformers<5 and huggingface-hub<0.15, which its analysis code never imports; it is installed
-# without its declared dependencies, with what it does import (fire and fire's own).
+# Hugging Face models measured on the CPU (about 4 minutes of CPU for the accuracy grid).
+# A venv of its own: llm-analysis 0.2.2 declares transformers<5 and huggingface-hub<0.15; its
+# memory code imports neither (only an optional AutoConfig, for fetching configs from the Hub,
+# which imports from transformers 5 too), so it is installed without its declared dependencies,
+# with what it does import: fire (and fire's six and termcolor). Not part of `make test`.
 $(PEERS_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/pip install -q --upgrade pip
