@@ -27,7 +27,9 @@ neighbours, CPU time far less so. One run each: read the ratios, not the digits.
    each evaluation) and *derive per L* (a fresh config with ``num_hidden_layers = L``,
    sympy's cache cleared with ``sympy.core.cache.clear_cache()`` before each, then
    ``sm.estimate`` and ``.at``; symmem keeps no disk cache). Both symmem answers are
-   checked equal at each L.
+   checked equal at each L. MemTracker's step grows about as L² (after every operator it
+   updates the peak of every module it tracks): L = 128 costs it about 25 minutes of CPU;
+   ``--layers 2,8,32`` leaves that out.
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def process(tool: str, cases) -> dict:
     return out
 
 
-def layers(ns) -> list[dict]:
+def layers(ns, runs, walls, path=None) -> list[dict]:
     import sympy
     import symmem as sm
 
@@ -142,7 +144,38 @@ def layers(ns) -> list[dict]:
         rows.append(dict(L=n, derive_once=derive_once, evaluate=evaluate, derive_per_L=per_l, memtracker_fake=mt,
                          symmem_peak=once, memtracker_peak=mt_peak))
         print(f"# L={n}: {rows[-1]}", file=sys.stderr, flush=True)
+        if path:                    # after each L: a run stopped early keeps what it has
+            Path(path).write_text(json.dumps({"runs": runs, "walls": walls, "layers": rows}, indent=1))
     return rows
+
+
+def print_grid(runs, walls, cases) -> None:
+    times = {r: [c[r] for c in runs[r.removesuffix(" + setup")]["cases"]] for r in ROWS}
+    print(f"Per configuration, {len(cases)} cases of the accuracy grid, each tool in its own process, "
+          f"the cases in order (CPU seconds)")
+    print(f"{'tool':<24}  {'median':>8}  {'min':>8}  {'max':>8}  {'sum':>8}  {'median / symmem':>15}")
+    med = {t: sorted(v)[len(v) // 2] for t, v in times.items()}
+    for t, v in times.items():
+        print(f"{t:<24}  {med[t]:8.3f}  {min(v):8.3f}  {max(v):8.3f}  {sum(v):8.2f}  {med[t] / med['symmem']:15.3g}")
+    print()
+    print("The whole grid, one process per tool: CPU seconds of the process (interpreter, every import,"
+          " the grid), of which importing the tool's package; wall clock")
+    print(f"{'tool':<24}  {'process CPU':>11}  {'import':>8}  {'wall':>8}  {'CPU / symmem':>12}")
+    for t in TOOLS:
+        print(f"{t:<24}  {runs[t]['cpu']:11.2f}  {runs[t]['import']:8.2f}  {walls[t]:8.1f}  "
+              f"{runs[t]['cpu'] / runs['symmem']['cpu']:12.3g}")
+    print()
+
+
+def print_layers(rows) -> None:
+    print(f"Layers: Llama {grid.FAMILIES['llama'][2]['hidden_size']} wide, sdpa, bf16 autocast, AdamW, "
+          f"b={grid.Case('llama', '', '', '').b}, s={grid.Case('llama', '', '', '').s} (CPU seconds)")
+    print(f"{'L':>4}  {'symmem derive once':>18}  {'+ evaluate at L':>15}  {'symmem derive per L':>19}  "
+          f"{'MemTracker fake':>15}  {'fake / per L':>12}  {'fake / eval':>11}  {'symmem peak':>14}  {'MemTracker fake':>15}")
+    for r in rows:
+        print(f"{r['L']:>4}  {r['derive_once']:18.3f}  {r['evaluate']:15.5f}  {r['derive_per_L']:19.3f}  "
+              f"{r['memtracker_fake']:15.3f}  {r['memtracker_fake'] / r['derive_per_L']:12.1f}  "
+              f"{r['memtracker_fake'] / r['evaluate']:11.0f}  {r['symmem_peak']:>14,}  {r['memtracker_peak']:>15,}")
 
 
 def main(argv=None) -> int:
@@ -151,9 +184,15 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="one family (per-configuration and process tables)")
     ap.add_argument("--layers", default="2,8,32,128")
     ap.add_argument("--json", help="write the raw times to this file")
+    ap.add_argument("--from-json", help="print the tables of a file --json wrote, without running anything")
     ap.add_argument("--process", choices=TOOLS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cases = [c for c in (grid.FULL_GRID if args.full else grid.GRID) if not args.only or c.family == args.only]
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        print_grid(saved["runs"], saved["walls"], cases)
+        print_layers(saved.get("layers", []))
+        return 0
     torch.set_num_threads(1)
     if args.process:
         print(json.dumps(process(args.process, cases)))
@@ -173,34 +212,10 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"runs": runs, "walls": walls}, indent=1))
 
-    times = {r: [c[r] for c in runs[r.removesuffix(" + setup")]["cases"]] for r in ROWS}
-    print(f"Per configuration, {len(cases)} cases of the accuracy grid, each tool in its own process, "
-          f"the cases in order (CPU seconds)")
-    print(f"{'tool':<24}  {'median':>8}  {'min':>8}  {'max':>8}  {'sum':>8}  {'median / symmem':>15}")
-    med = {t: sorted(v)[len(v) // 2] for t, v in times.items()}
-    for t, v in times.items():
-        print(f"{t:<24}  {med[t]:8.3f}  {min(v):8.3f}  {max(v):8.3f}  {sum(v):8.2f}  {med[t] / med['symmem']:15.3g}")
-    print()
-    print("The whole grid, one process per tool: CPU seconds of the process (interpreter, every import,"
-          " the grid), of which importing the tool's package; wall clock")
-    print(f"{'tool':<24}  {'process CPU':>11}  {'import':>8}  {'wall':>8}  {'CPU / symmem':>12}")
-    for t in TOOLS:
-        print(f"{t:<24}  {runs[t]['cpu']:11.2f}  {runs[t]['import']:8.2f}  {walls[t]:8.1f}  "
-              f"{runs[t]['cpu'] / runs['symmem']['cpu']:12.3g}")
-    print()
-
     ns = [int(x) for x in args.layers.split(",")]
-    rows = layers(ns)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "walls": walls, "layers": rows}, indent=1))
-    print(f"Layers: Llama {grid.FAMILIES['llama'][2]['hidden_size']} wide, sdpa, bf16 autocast, AdamW, "
-          f"b={grid.Case('llama', '', '', '').b}, s={grid.Case('llama', '', '', '').s} (CPU seconds)")
-    print(f"{'L':>4}  {'symmem derive once':>18}  {'+ evaluate at L':>15}  {'symmem derive per L':>19}  "
-          f"{'MemTracker fake':>15}  {'fake / per L':>12}  {'fake / eval':>11}  {'peak (bytes)':>14}  {'MemTracker fake':>15}")
-    for r in rows:
-        print(f"{r['L']:>4}  {r['derive_once']:18.3f}  {r['evaluate']:15.5f}  {r['derive_per_L']:19.3f}  "
-              f"{r['memtracker_fake']:15.3f}  {r['memtracker_fake'] / r['derive_per_L']:12.1f}  "
-              f"{r['memtracker_fake'] / r['evaluate']:11.0f}  {r['symmem_peak']:>14,}  {r['memtracker_peak']:>15,}")
+    rows = layers(ns, runs, walls, args.json)
+    print_grid(runs, walls, cases)
+    print_layers(rows)
     return 0
 
 
