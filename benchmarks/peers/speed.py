@@ -27,9 +27,9 @@ neighbours, CPU time far less so. One run each: read the ratios, not the digits.
    each evaluation) and *derive per L* (a fresh config with ``num_hidden_layers = L``,
    sympy's cache cleared with ``sympy.core.cache.clear_cache()`` before each, then
    ``sm.estimate`` and ``.at``; symmem keeps no disk cache). Both symmem answers are
-   checked equal at each L. MemTracker's step grows about as L² (after every operator it
-   updates the peak of every module it tracks): L = 128 costs it about 25 minutes of CPU;
-   ``--layers 2,8,32`` leaves that out.
+   checked equal at each L. MemTracker's step grows faster than L (after every operator it
+   updates the peak of every module it tracks): L = 128 costs it ten minutes of CPU or
+   more; ``--layers 2,8,32`` leaves that out.
 """
 from __future__ import annotations
 
