@@ -3,9 +3,10 @@
 PYTHON ?= python3
 DEMO_VENV := .venv-demo
 TEST_VENV := .venv-test
+PEERS_VENV := .venv-peers
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test notebooks gpu-check clean
+.PHONY: demo test notebooks gpu-check peers clean
 
 $(DEMO_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(DEMO_VENV)
@@ -48,5 +49,24 @@ notebooks: $(TEST_VENV)/.installed
 gpu-check: $(TEST_VENV)/.installed
 	$(TEST_VENV)/bin/python benchmarks/gpu_check.py --json gpu_check.json
 
+# symmem beside its peers (benchmarks/peers/): llm-analysis and PyTorch's MemTracker on a grid of
+# Hugging Face models measured on the CPU (about 4 minutes of CPU for the accuracy grid).
+# A venv of its own: llm-analysis 0.2.2 declares transformers<5 and huggingface-hub<0.15; its
+# memory code imports neither (only an optional AutoConfig, for fetching configs from the Hub,
+# which imports from transformers 5 too), so it is installed without its declared dependencies,
+# with what it does import: fire (and fire's six and termcolor). Not part of `make test`.
+$(PEERS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/pip install -q torch==$(TORCH_VERSION)
+	$(PEERS_VENV)/bin/pip install -q -e '.[torch]'
+	$(PEERS_VENV)/bin/pip install -q fire==0.5.0 six termcolor
+	$(PEERS_VENV)/bin/pip install -q --no-deps llm-analysis==0.2.2
+	touch $@
+
+peers: $(PEERS_VENV)/.installed
+	$(PEERS_VENV)/bin/python benchmarks/peers/accuracy.py
+	$(PEERS_VENV)/bin/python benchmarks/peers/speed.py
+
 clean:
-	rm -rf $(DEMO_VENV) $(TEST_VENV) build *.egg-info
+	rm -rf $(DEMO_VENV) $(TEST_VENV) $(PEERS_VENV) build *.egg-info
