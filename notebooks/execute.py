@@ -21,11 +21,21 @@ ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 def clean(book) -> None:
     """Drop timings, object addresses and what goes to stderr (library warnings, which name
-    this machine's paths) from an executed notebook."""
+    this machine's paths) from an executed notebook, and join consecutive pieces of stdout
+    (how the kernel cuts a cell's printing into messages depends on the machine's load; a
+    reader sees one text either way)."""
     for cell in book.cells:
         cell.metadata.pop("execution", None)
         if "outputs" in cell:
-            cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
+            kept = []
+            for o in cell.outputs:
+                if o.output_type == "stream" and o.name == "stderr":
+                    continue
+                if o.output_type == "stream" and kept and kept[-1].output_type == "stream":
+                    kept[-1]["text"] += o.text
+                    continue
+                kept.append(o)
+            cell.outputs = kept
         for out in cell.get("outputs", []):
             if "text" in out:
                 out["text"] = ADDRESS.sub("", out["text"])

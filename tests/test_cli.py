@@ -181,7 +181,7 @@ ERRORS = {  # id -> (argv after "estimate" or a function of tmp_path giving it, 
         1, ["n_embd", "66", "multiple", "n_head", "(4)"]),
     "unknown model_type": (
         lambda t: ["--config", _write(t, _tiny(model_type="rwkv")), "--batch", 1, "--seq", 8],
-        1, ["model_type", "'rwkv'", "Known: gpt2, gpt_neox, llama, mistral, opt, qwen2"]),
+        1, ["model_type", "'rwkv'", "Known: bert, gpt2, gpt_neox, llama, mistral, mixtral, opt, qwen2, resnet, t5, vit"]),
     "seq beyond n_positions": (["--model", "gpt2", "--batch", 1, "--seq", 2048], 1,
                                ["s = 2048", "n_positions", "s_max = 1024"]),
     "unknown precision": (["--model", "gpt2", "--batch", 1, "--seq", 8, "--precision", "bf16-mix"], 1,

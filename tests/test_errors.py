@@ -33,7 +33,7 @@ def test_missing_key_and_model_type():
         sm.models.from_hf_config(cfg)
     with pytest.raises(ConfigError, match='model_type = None .* Add "model_type" to the config'):
         sm.models.from_hf_config({k: v for k, v in GPT2.items() if k != "model_type"})
-    with pytest.raises(UnknownName, match="unknown model_type 'rwkv'. Known: gpt2, gpt_neox, llama, mistral, opt, qwen2."):
+    with pytest.raises(UnknownName, match="unknown model_type 'rwkv'. Known: bert, gpt2, gpt_neox, llama, mistral, mixtral, opt, qwen2, resnet, t5, vit."):
         sm.models.from_hf_config({**GPT2, "model_type": "rwkv"})
 
 

@@ -18,7 +18,7 @@ TINY = json.loads((ROOT / "examples" / "tiny-gpt2" / "config.json").read_text())
 # config.json contents -> words the message must contain
 CONFIGS = {
     "nested 100,000 levels": ('{"a":' * 100_000 + "1" + "}" * 100_000, ["nested", "levels"]),
-    "model_type a list": (json.dumps({**TINY, "model_type": ["gpt2"]}), ["model_type = ['gpt2']", "one of gpt2"]),
+    "model_type a list": (json.dumps({**TINY, "model_type": ["gpt2"]}), ["model_type = ['gpt2']", "one of bert, gpt2"]),
     "n_embd a string": (json.dumps({**TINY, "n_embd": "768"}), ["n_embd = '768'", "positive integer"]),
     "n_embd infinite": (json.dumps({**TINY, "n_embd": 1e400}), ["n_embd = inf", "positive integer"]),
     "n_layer fractional": (json.dumps({**TINY, "n_layer": 2.5}), ["n_layer = 2.5", "positive integer"]),

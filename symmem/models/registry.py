@@ -305,7 +305,8 @@ class Registry:
         return self._families[name]
 
     def model_types(self) -> tuple[str, ...]:
-        return tuple(self._model_types)
+        """Every model_type a family claims, in alphabetical order."""
+        return tuple(sorted(self._model_types))
 
     def preset_config(self, name: str):
         """``(family, config)`` of a preset: by name or Hugging Face id, any case."""
@@ -348,10 +349,10 @@ class Registry:
             raise ConfigError("config", type(config).__name__, "a dict or a path to config.json")
         model_type = config.get("model_type")
         if model_type is None:
-            raise ConfigError("model_type", None, f"one of {', '.join(self._model_types)}",
+            raise ConfigError("model_type", None, f"one of {', '.join(self.model_types())}",
                               "Add \"model_type\" to the config.")
         if not isinstance(model_type, str):
-            raise ConfigError("model_type", model_type, f"a name: one of {', '.join(self._model_types)}")
+            raise ConfigError("model_type", model_type, f"a name: one of {', '.join(self.model_types())}")
         if model_type not in self._model_types:
             raise UnknownName("model_type", model_type, self.model_types())
         fam = self._model_types[model_type]
