@@ -391,7 +391,8 @@ def _report(args, policy: Policy) -> dict:
                                       "formula": str(canonical(reg.point.total))} for reg in regions]
         r["json"]["components"] = {k: str(v) for k, v in est.components.items()}
         r["json"]["formula"] = {"peak": str(est.peak), "latex": render_latex_expr(est.peak),
-                                "peak_candidates": len(est.peak.args), "peak_at_inputs": str(active)}
+                                "peak_candidates": len(est.peak.args), "peak_at_inputs": str(active),
+                                "candidates": [str(c) for c in est.candidates]}
     return r
 
 

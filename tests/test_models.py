@@ -147,11 +147,11 @@ def test_dispatch_on_model_type(reg):
 def test_unknown_model_type_lists_the_supported(reg):
     with pytest.raises(UnknownName) as e:
         reg.from_hf_config({**TINY, "model_type": "mamba"})
-    assert str(e.value) == "unknown model_type 'mamba'. Known: toy, gpt2."
-    assert e.value.known == ("toy", "gpt2")
+    assert str(e.value) == "unknown model_type 'mamba'. Known: gpt2, toy."
+    assert e.value.known == ("gpt2", "toy")
     with pytest.raises(ConfigError) as e:
         reg.from_hf_config({"width": 4})
-    assert str(e.value) == ('model_type = None is not valid: expected one of toy, gpt2. '
+    assert str(e.value) == ('model_type = None is not valid: expected one of gpt2, toy. '
                             'Add "model_type" to the config.')
 
 
