@@ -39,7 +39,8 @@ from symmem.measure import saved_bytes, training_step  # noqa: E402
 warnings.filterwarnings("ignore")
 transformers.logging.set_verbosity_error()
 
-#: model name -> (transformers config class, its keyword arguments, b, s), at each size
+#: model name -> (transformers config class, its keyword arguments, b, s), at each size; the
+#: model class is CLASSES[config class]
 MODELS = {
     "real": {
         "gpt2": ("GPT2Config", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024), 8, 1024),
@@ -59,6 +60,8 @@ MODELS = {
 }
 
 #: model, attention, precision, AdamW implementation, recompute
+CLASSES = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM"}
+
 CASES = [
     ("gpt2", "eager", "fp32", "for-loop", "none"),
     ("gpt2", "sdpa", "fp32", "foreach", "none"),
@@ -85,8 +88,7 @@ def build(name, size, attention, precision, recompute, device):
     torch.manual_seed(0)
     cfg = getattr(transformers, cls)(**kw, attn_implementation=attention, use_cache=False)
     with torch.device(device):                   # initialised in place: a 1B model in seconds
-        model = getattr(transformers, cls.replace("Config", "ForCausalLM").replace("GPT2ForCausalLM",
-                                                                                    "GPT2LMHeadModel"))(cfg)
+        model = getattr(transformers, CLASSES[cls])(cfg)
     model.train()
     if precision == "bf16":
         model.to(torch.bfloat16)
