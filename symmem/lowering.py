@@ -255,7 +255,7 @@ class _Lowering:
             grads[value] = key
             refs[key] = refs.get(key, 0) + 1
 
-        extra, news, late_extra, sums = ZERO, [], {}, ZERO
+        extra, news, late_extra = ZERO, [], {}
         for i, (v, mode) in enumerate(zip(inst.inputs, fp.grads)):
             if mode is None or not self.info[v].requires_grad:
                 continue
@@ -264,7 +264,6 @@ class _Lowering:
                     late_extra[i] = self.info[v].nbytes
                 else:
                     extra += self.info[v].nbytes if mode == "new" else 0
-                    sums += self.info[v].nbytes if mode == "new" and fp.sum_out_of_place else 0
             elif mode == "pass":
                 hand(v, g)
             else:                         # "new", or "slice" arriving first
@@ -303,8 +302,6 @@ class _Lowering:
         if refs[g] == 0:
             out.append(Free(g, self._grad_bytes(g), "transient"))
         out.append(Release(autograd(inst.name, inst.copy)))
-        if sums != 0:                     # the second gradient and the sum beside the first
-            out.append(Mark("backward", f"{inst.name} (gradient sum)", (("transient", extra + sums),), inst.copy))
         left = sum((half for *_, half in fp.cast_back), ZERO)
         other = fp.bwd_temp - left
         for kind, j, half in fp.cast_back:  # one at a time, each half copy freed before the next

@@ -23,6 +23,7 @@ Limits, common to all three:
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -46,6 +47,7 @@ __all__ = [
     "param_bytes",
     "saved_bytes",
     "training_step",
+    "plain_step",
     "PassReport",
     "inference_pass",
 ]
@@ -446,6 +448,145 @@ def training_step(
     phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES}
     return StepReport(top.live_bytes, top.phase, top.op, timeline, at_start, phase_peaks,
                       cuda_max, top.micro)
+
+
+def plain_step(
+    module: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int = 2,
+    extra: Any = (),
+) -> StepReport:
+    """The live bytes of :func:`training_step`, from a run with **no** dispatch mode (CPU only).
+
+    A dispatch mode changes what autograd does: while one is active
+    ``at::areAnyTensorSubclassLike`` is true, so autograd's ``InputBuffer::accumulate`` sums
+    two gradients of one tensor out of place (``old + new``) where a plain run adds in place
+    (``old.add_(new)``, when it holds the last reference: torch/csrc/autograd/input_buffer.cpp).
+    This function runs the step plainly under ``torch.profiler`` with ``profile_memory`` and
+    replays the CPU allocator's allocation events: a storage allocated and freed inside one
+    operator that a dispatch mode would see (a kernel's scratch; composite operators such as
+    ``linear`` or autocast's wrappers decompose into the operators it sees) is left out, as the
+    tracker cannot see it, and so is a Python number the argument parser wraps in a
+    0-dim tensor for one call (allocated outside any operator, freed before the operator after
+    the next one starts: Adam's ``exp_avg_sq.sqrt() / bias_correction2_sqrt``; host memory on CUDA);
+    everything else counts from its allocation to its free.
+    ``at_start`` and the samples are offset by the bytes of the storages that exist when the
+    step starts (parameters, buffers, gradients, optimizer states, ``extra``), as the tracker
+    registers them. A sample is taken at each phase's start and end and after every allocation
+    and free (``op`` is the
+    operator that made it), so ``peak`` may fall inside an operator, between its output's
+    allocation and the free of a temporary input, where the tracker samples only after it.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    device = _module_device(module)
+    if device.type != "cpu":
+        raise ValueError(f"plain_step replays the CPU allocator's events; the module is on {device}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    for _ in range(steps - 1):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(module).backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    seen: dict[tuple[int, int], int] = {}
+    for t in _tensors([module, [p.grad for p in module.parameters() if p.grad is not None],
+                       list(optimizer.state.values()), extra]):
+        st = _storage(t)
+        if st is not None and st.device == device:
+            seen[_key(st)] = st.nbytes()
+    at_start = sum(seen.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("symmem::forward"):
+            loss = loss_fn(module)
+        with record_function("symmem::backward"):
+            loss.backward()
+        with record_function("symmem::optimizer"):
+            optimizer.step()
+    del loss
+
+    allocs: list[tuple[int, int, int, str]] = []        # (time, bytes, address, operator)
+    ops: list[tuple[int, int]] = []                     # operators a dispatch mode sees: (start, end)
+    phases: list[tuple[int, int, str]] = []
+
+    def walk(event, op):
+        if event.tag == _EventType.Allocation:
+            f = event.extra_fields
+            allocs.append((event.start_time_ns, f.alloc_size, f.ptr, op or "<none>"))
+            return
+        if event.name.startswith("symmem::"):
+            phases.append((event.start_time_ns, event.end_time_ns, event.name[len("symmem::"):]))
+        seen = op is None and event.name.startswith("aten::") and not _decomposes(event.name)
+        if seen:
+            ops.append((event.start_time_ns, event.end_time_ns))
+        for child in event.children:
+            walk(child, event.name if seen else op)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    allocs += [(time, 0, -1, mark) for lo, hi, _ in phases for time, mark in ((lo, "<start>"), (hi, "<end>"))]
+    allocs.sort()
+    ops.sort()
+
+    def op_index(time):
+        i = bisect.bisect_right(ops, (time, float("inf"))) - 1
+        return i if i >= 0 and ops[i][0] <= time <= ops[i][1] else None
+
+    def one_call_later(time):
+        """The start of the second operator after ``time``."""
+        i = bisect.bisect_right(ops, (time, float("inf"))) + 1
+        return ops[i][0] if i < len(ops) else float("inf")
+
+    opened: dict[int, int] = {}
+    scratch: set[int] = set()
+    for i, (time, size, ptr, _) in enumerate(allocs):
+        if size > 0:
+            opened[ptr] = i
+        elif size < 0 and ptr in opened:
+            j = opened.pop(ptr)
+            made = allocs[j][0]
+            inside = op_index(made)
+            if inside is not None and inside == op_index(time):
+                scratch.update((i, j))          # a kernel's scratch
+            elif inside is None and time < one_call_later(made):
+                scratch.update((i, j))          # a number wrapped for one call
+    live, samples = at_start, []
+    for i, (time, size, _, op) in enumerate(allocs):
+        if i in scratch:
+            continue
+        phase = next((name for lo, hi, name in phases if lo <= time <= hi), None)
+        live += size
+        if phase is not None:
+            samples.append(Sample(phase, op, live))
+    timeline = tuple(samples)
+    top = max(timeline, key=lambda s: s.live_bytes)
+    phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES}
+    return StepReport(top.live_bytes, top.phase, top.op, timeline, at_start, phase_peaks)
+
+
+def _decomposes(name: str) -> bool:
+    """Whether the profiler's ``aten::name`` is a CompositeImplicitAutograd operator in every
+    overload but its ``out`` ones: it decomposes above the dispatch modes' key, so a mode sees
+    the operators it calls, not it."""
+    if name not in _DECOMPOSES:
+        packet = getattr(torch.ops.aten, name[len("aten::"):], None)
+        found = []
+        for overload in packet.overloads() if packet is not None else ():
+            if "out" in overload:
+                continue
+            try:
+                found.append(torch._C._dispatch_has_kernel_for_dispatch_key(
+                    getattr(packet, overload).name(), "CompositeImplicitAutograd"))
+            except RuntimeError:      # an overload registered only for TorchScript
+                continue
+        _DECOMPOSES[name] = bool(found) and all(found)
+    return _DECOMPOSES[name]
+
+
+_DECOMPOSES: dict[str, bool] = {}
 
 
 # --------------------------------------------------------------------------- inference

@@ -14,6 +14,7 @@ from symmem.measure import (  # noqa: E402  (after the importorskip)
     SavedReport,
     StepReport,
     param_bytes,
+    plain_step,
     saved_bytes,
     training_step,
 )
@@ -188,6 +189,50 @@ def test_sgd_step_exact_timeline():
     assert r.phase_peaks["optimizer"] == PARAMS + X + SCALAR + PARAMS  # 5636
     assert r.peak >= 2 * PARAMS  # parameters + gradients at least
     assert r.cuda_max_allocated is None
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_plain_step_agrees_with_the_tracker(opt):
+    """With no gradient summed twice, a plain run (profiler allocation events, no dispatch
+    mode) and the tracker see the same live bytes at the start and at each phase's maximum.
+    AdamW's for-loop divides by a Python number, wrapped in an 8-byte tensor for that call
+    only: plain_step leaves it out as the tracker does."""
+    def run(measure):
+        model, x = _mlp()
+        make = torch.optim.SGD if opt == "sgd" else torch.optim.AdamW
+        return measure(model, lambda m: m(x).pow(2).mean(), make(model.parameters(), lr=0.1, foreach=False),
+                       extra=[x])
+    tracked, plain = run(training_step), run(plain_step)
+    assert (plain.at_start, plain.phase_peaks, plain.peak_phase) == \
+        (tracked.at_start, tracked.phase_peaks, tracked.peak_phase)
+    if opt == "sgd":
+        assert plain.peak == 6664   # test_sgd_step_exact_timeline's arithmetic
+    assert plain.peak_op.startswith("aten::")
+
+
+def test_tracker_sums_out_of_place_where_a_plain_run_adds_in_place():
+    """h = W x feeds two products; its two gradients meet in autograd's InputBuffer. A plain run
+    adds the second into the first in place (``old.add_(new)``); under a dispatch mode
+    (at::areAnyTensorSubclassLike is true) the engine computes ``old + new``, a third tensor."""
+    def run(measure):
+        torch.manual_seed(0)
+        model, x = nn.Linear(4, 64, bias=False), torch.randn(64, 4)
+
+        def loss(m):
+            h = m(x)
+            return (h * 2 + h * 3).sum()
+        return measure(model, loss, torch.optim.SGD(model.parameters(), lr=0.1, foreach=False), extra=[x])
+    tracked, plain = run(training_step), run(plain_step)
+    start = 64 * 4 * 4 + 64 * 4 * 4     # 2048: the weight and x
+    grad_h = 64 * 64 * 4                # 16384: h, each product, either gradient of h
+    scalars = 4 + 4                     # the loss and its seed gradient
+    # Forward: h, h * 2, h * 3 and their sum, with both float64 factors saved by MulBackward0.
+    assert plain.phase_peaks["forward"] == tracked.phase_peaks["forward"] == start + 4 * grad_h + 2 * 8  # 67600
+    # Tracker: both gradients and their out-of-place sum (the factors already released).
+    assert tracked.phase_peaks["backward"] == start + scalars + 3 * grad_h   # 51208
+    # Plain: the second gradient made while the first waits, the second factor not yet released.
+    assert plain.phase_peaks["backward"] == start + scalars + 8 + 2 * grad_h  # 34832
+    assert plain.phase_peaks["optimizer"] == tracked.phase_peaks["optimizer"] == start + 4 + 1024  # 3076
 
 
 def test_timeline_covers_three_phases_and_backward_ops():

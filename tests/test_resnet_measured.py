@@ -2,7 +2,9 @@
 does not install beside this torch) and transformers' own ``ResNetForImageClassification``;
 small widths, 32 x 32 and 64 x 32 images, basic and bottleneck blocks, float32 and bfloat16
 autocast; parameters, buffers, bytes saved for backward, the training step's peak, its phase and
-every phase's maximum, to the byte.
+every phase's maximum, to the byte. The step is measured by ``plain_step`` (no dispatch mode):
+under ``training_step``'s tracker the autograd engine sums a block input's two gradients out of
+place, where a plain run adds in place (``test_tracker_sums_out_of_place``).
 """
 import pytest
 import sympy as sp
@@ -15,7 +17,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import symmem as sm  # noqa: E402
 from symmem.errors import ConfigError, UnknownName  # noqa: E402
-from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
+from symmem.measure import param_bytes, plain_step, saved_bytes  # noqa: E402
 from symmem.symbols import H, W, n_c  # noqa: E402
 from test_gpt2_measured import optimizer  # noqa: E402
 
@@ -152,7 +154,7 @@ def run_exact(model, keys, precision, opt, impl, b, hw, forward):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             return forward(m, x, y)
     assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
-    report = training_step(model, fwd, optimizer(opt, impl, model.parameters()), extra=(x, y))
+    report = plain_step(model, fwd, optimizer(opt, impl, model.parameters()), extra=(x, y))
     assert_step_exact(est, report, **values)
 
 

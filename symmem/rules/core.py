@@ -181,11 +181,6 @@ class Footprint:
     # its half copy freed, before the next; the half copies are in bwd_temp too (the node's
     # kernels make them).
     cast_back: tuple = ()
-    # The autograd engine sums an input gradient this node makes into one that reached the
-    # input earlier out of place (``aten.add.Tensor``: both and the sum live at once, after
-    # the node's saved tensors are released), as measured for convolutions under
-    # symmem.measure's dispatch mode (``rules.vision.conv2d_rule``).
-    sum_out_of_place: bool = False
 
     @property
     def late_inputs(self) -> tuple:

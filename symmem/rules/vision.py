@@ -58,9 +58,10 @@ def conv2d_rule(node, ins, ctx):
     but not saved, and the gradients are made in the half dtype and cast back (the input's, the
     weight's, then the bias's: autocast casts ``conv2d(input, weight, bias)`` right to left).
     Where the input has a gradient already (a block's input also feeds the shortcut), the
-    engine sums this one into it out of place (``aten.add.Tensor``, measured under
-    :func:`symmem.measure.training_step`; PyTorch 2.13 without a dispatch mode sums in place,
-    ``aten::add_`` in the profiler, so there that moment is one input gradient lower).
+    engine adds this one into it in place (``InputBuffer::accumulate``'s ``old_var.add_(var)``,
+    torch/csrc/autograd/input_buffer.cpp), as in every rule: a plain run, measured with
+    :func:`symmem.measure.plain_step`. (Under a dispatch mode, such as
+    :func:`symmem.measure.training_step`'s tracker, the engine sums out of place instead.)
     The kernels' own workspaces (im2col columns, oneDNN or cuDNN scratch) are allocated inside
     the op and are not modelled (``symmem.measure`` cannot see them either)."""
     x = ins[0]
@@ -93,8 +94,7 @@ def conv2d_rule(node, ins, ctx):
             [("param", i, node.params[i].numel * cast.nbytes) for i in trainable]
         rank = {("in", 0): 0, ("param", 0): 1, ("param", 1): 2}
         back = tuple(sorted(items, key=lambda it: rank[it[:2]]))
-    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, casts=casts, cast_back=back,
-                     sum_out_of_place=True)
+    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, casts=casts, cast_back=back)
 
 
 @rule("batch_norm")
