@@ -81,7 +81,12 @@ def model_for(point, recompute, attention="eager"):
     base, _, variant = recompute.partition(",")
     modeling_gpt2.eager_attention_forward = EAGER_CORE      # undo an earlier case's selective patch
     if base == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": variant == "reentrant"})
+        kwargs = {"use_reentrant": variant == "reentrant"}
+        enable = getattr(model, "activation_checkpointing_enable", None)   # transformers 5.24's name
+        if enable is not None:
+            enable(kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     elif base == "selective":
         core = EAGER_CORE
 

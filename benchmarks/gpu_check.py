@@ -93,7 +93,7 @@ def build(name, size, attention, precision, recompute, device):
     if precision == "bf16":
         model.to(torch.bfloat16)
     if recompute == "full":
-        enable = getattr(model, "activation_checkpointing_enable", None)   # transformers >= 5.x's name
+        enable = getattr(model, "activation_checkpointing_enable", None)   # transformers 5.24's name
         if enable is not None:
             enable({"use_reentrant": False})
         else:

@@ -41,3 +41,14 @@ def assert_hf_step_exact(est, model, ids, precision, opt, b, s, impl="for-loop",
     assert est.at(b=b, s=s).bytes["activations"] == saved_bytes(fwd, exclude=model).total
     report = training_step(model, lambda m: fwd(), optimizer(opt, impl, params or model.parameters()), extra=(ids,))
     assert_step_exact(est, report, b, s)
+
+
+def enable_checkpointing(model, **kwargs):
+    """transformers' activation checkpointing of every layer, with ``kwargs`` for
+    ``torch.utils.checkpoint`` (none: its default, ``use_reentrant=False``). transformers 5.24
+    names it ``activation_checkpointing_enable`` and deprecates ``gradient_checkpointing_enable``,
+    the only name of earlier versions."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        return enable(activation_checkpointing_kwargs=kwargs or None)
+    return model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)

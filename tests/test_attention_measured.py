@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import symmem as sm  # noqa: E402
 from symmem.measure import saved_bytes, training_step  # noqa: E402
-from helpers import assert_step_exact  # noqa: E402
+from helpers import assert_step_exact, enable_checkpointing  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -86,7 +86,7 @@ def test_sdpa_with_full_recomputation_exact(point, precision):
     cfg, model = hf_model(h, a, L, V, P, pdrop)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)     # an alias in transformers 5
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     est = sm.estimate(sm.models.from_hf_config(cfg.to_dict()),
                       sm.Policy(precision, "sgd", "cpu", attention="sdpa", recompute="full"))
     ev = est.at(b=b, s=s)

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 import symmem as sm  # noqa: E402
 from symmem.errors import ConfigError, UnknownName  # noqa: E402
 from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
-from helpers import assert_step_exact  # noqa: E402
+from helpers import assert_step_exact, enable_checkpointing  # noqa: E402
 from test_gpt2_measured import optimizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -150,7 +150,7 @@ def test_bert_recomputed_exact(attention, precision, padded):
         model.to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)     # an alias in transformers 5
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     est = sm.estimate(graph_of(cfg, padded), sm.Policy(precision, "adamw", "cpu", "for-loop", recompute="full"))
     assert_bert_step_exact(est, model, mlm_batch(b, s, V, padded), precision, "adamw", b, s)
 

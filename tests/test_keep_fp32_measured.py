@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 import symmem as sm  # noqa: E402
 from symmem.errors import ConfigError  # noqa: E402
 from symmem.measure import saved_bytes, training_step  # noqa: E402
-from helpers import assert_step_exact  # noqa: E402
+from helpers import assert_step_exact, enable_checkpointing  # noqa: E402
 from test_gpt2_measured import POINTS, graph_of, hf_model, loss_fn, optimizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -67,7 +67,7 @@ def test_modules_kept_in_float32_exact(point, keep, attention, opt, impl, recomp
     if recompute != "none":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)     # an alias in transformers 5
-            model.gradient_checkpointing_enable()
+            enable_checkpointing(model)
         for block in list(model.transformer.h)[L - int(recompute[5:]):]:
             block.gradient_checkpointing = False
     est = sm.estimate(graph_of(cfg), sm.Policy("bf16-mixed", opt, "cpu", impl, recompute=recompute,

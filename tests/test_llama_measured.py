@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 import symmem as sm  # noqa: E402
 from symmem.errors import ConfigError, UnknownName  # noqa: E402
 from symmem.measure import param_bytes  # noqa: E402
-from helpers import assert_hf_step_exact  # noqa: E402
+from helpers import assert_hf_step_exact, enable_checkpointing  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -100,7 +100,7 @@ def test_llama_recomputed_exact(point, attention, precision, opt, spec):
         model.to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)     # an alias in transformers 5
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     if spec.startswith("last:"):
         for layer in list(model.model.layers)[L - int(spec[5:]):]:
             layer.gradient_checkpointing = False

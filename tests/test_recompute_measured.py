@@ -4,7 +4,8 @@ byte. Random weights from configs, eager attention, no download.
 
 How each spec is run in transformers 5:
 
-- ``full``: ``model.gradient_checkpointing_enable()``, whose default is the non-reentrant
+- ``full``: ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable()``
+  before transformers 5.24), whose default is the non-reentrant
   ``torch.utils.checkpoint`` (``use_reentrant=False``) around every ``GPT2Block``;
   ``full,reentrant``: the same with ``{"use_reentrant": True}``;
 - ``last:N``: as ``full``, with ``gradient_checkpointing`` switched off on the last N blocks;
@@ -23,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 import symmem as sm  # noqa: E402
 from symmem.measure import saved_bytes, training_step  # noqa: E402
 from symmem.policy import Recompute  # noqa: E402
+from helpers import enable_checkpointing  # noqa: E402
 from test_gpt2_measured import POINTS, graph_of, hf_model, loss_fn, optimizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -42,9 +44,9 @@ def checkpointed(point, spec, monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)     # an alias in transformers 5
             if reentrant:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+                enable_checkpointing(model, use_reentrant=True)
             else:
-                model.gradient_checkpointing_enable()          # the default: non-reentrant
+                enable_checkpointing(model)          # the default: non-reentrant
         if base.startswith("last:"):
             for block in list(model.transformer.h)[L - int(base[5:]):]:
                 block.gradient_checkpointing = False

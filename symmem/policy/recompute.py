@@ -6,7 +6,8 @@ first needs one of its saved tensors. The spec names the regions:
 
 - ``none``: nothing is recomputed;
 - ``full``: every layer of every repeated block is a region, as Hugging Face's
-  ``gradient_checkpointing_enable()`` does (transformers 5: ``use_reentrant=False``);
+  ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before 5.24) does
+  (transformers 5: ``use_reentrant=False``);
 - ``every:K``: K consecutive layers form one region (the layer count must be a
   multiple of K);
 - ``selective``: only the attention core of each layer (Korthikanti et al. 2022): the
