@@ -112,8 +112,23 @@ def test_nodes_and_layer_ranges_from_python():
     assert part.plan.notes[0].startswith("recompute layers(0:6)")
 
 
+def test_nth_checkpoints_the_first_layer_of_each_group():
+    """nth:N (transformers' every_n_layers=N): layers 0, N, 2N, ... are checkpointed, so nth:1
+    is full and nth:L is Recompute.layers(0, 1)."""
+    g, pol = gpt2(4), dict(precision="fp32", optimizer="adamw", device="cpu", attention="eager")
+    at = {"b": 4, "s": 32}
+
+    def peak_and_saved(spec):
+        ev = sm.estimate(g, sm.Policy(**pol, recompute=spec)).at(**at)
+        return ev.peak, ev.bytes["activations"]
+    assert peak_and_saved("nth:1") == peak_and_saved("full")
+    assert peak_and_saved("nth:4") == peak_and_saved(Recompute.layers(0, 1))
+    none, full, nth = (peak_and_saved(s)[1] for s in ("none", "full", "nth:2"))
+    assert full < nth < none          # (exact against transformers: test_recompute_measured.py)
+
+
 def test_bad_recompute_specs_are_refused_clearly():
-    accepted = "expected none, full, every:K, selective or last:N, each optionally followed by ,reentrant."
+    accepted = "expected none, full, every:K, nth:N, selective or last:N, each optionally followed by ,reentrant."
     with pytest.raises(ConfigError) as e:
         sm.Policy(recompute="sometimes", attention="eager")
     assert str(e.value) == f"recompute = 'sometimes' is not valid: {accepted}"
@@ -129,6 +144,13 @@ def test_bad_recompute_specs_are_refused_clearly():
                                           r"the 12 layers of block 'h'. For example every:1, every:2, every:3, "
                                           r"every:4, every:6, every:12.$"):
         sm.estimate(sm.models.preset("gpt2"), sm.Policy(recompute="every:5", attention="eager"))
+    with pytest.raises(ConfigError, match=r"^recompute = 'nth:5' is not valid: expected nth:K with K dividing "
+                                          r"the 12 layers of block 'h'. For example nth:1, nth:2, nth:3, "
+                                          r"nth:4, nth:6, nth:12.$"):
+        sm.estimate(sm.models.preset("gpt2"), sm.Policy(recompute="nth:5", attention="eager"))
+    with pytest.raises(ConfigError, match=r"^recompute = 'nth:2' is not valid: expected a model with a repeated "
+                                          r"block of layers. Use Recompute.layers"):
+        sm.estimate(gpt2().unrolled(), sm.Policy(recompute="nth:2", attention="eager"))
     with pytest.raises(ConfigError, match=r"^recompute = 'layers\(12:\)' is not valid: expected layers within "
                                           r"the 12 layers of block 'h'."):
         sm.estimate(sm.models.preset("gpt2"), sm.Policy(recompute=Recompute.layers(12), attention="eager"))

@@ -8,6 +8,8 @@ How each spec is run in transformers 5:
   before transformers 5.24), whose default is the non-reentrant
   ``torch.utils.checkpoint`` (``use_reentrant=False``) around every ``GPT2Block``;
   ``full,reentrant``: the same with ``{"use_reentrant": True}``;
+- ``nth:N``: ``model.activation_checkpointing_enable(every_n_layers=N)`` (transformers 5.24):
+  blocks 0, N, 2N, ... checkpointed;
 - ``last:N``: as ``full``, with ``gradient_checkpointing`` switched off on the last N blocks;
   ``Recompute.layers(i, j)``: switched off on every block but i to j - 1;
 - ``selective``: ``eager_attention_forward`` (the attention core) wrapped in a checkpoint;
@@ -31,6 +33,7 @@ transformers.logging.set_verbosity_error()
 
 
 MLP_IN = Recompute.nodes("h/mlp.c_fc", "h/mlp/gelu_new")
+FOUR_LAYERS = (2, 16, 32, 4, 4, 100, 32, "gelu_new")      # POINTS[0] with L = 4
 
 
 def checkpointed(point, spec, monkeypatch):
@@ -54,6 +57,10 @@ def checkpointed(point, spec, monkeypatch):
             start, stop = spec.span
             for i, block in enumerate(model.transformer.h):
                 block.gradient_checkpointing = start <= i < (L if stop is None else stop)
+    elif base.startswith("nth:"):
+        if not hasattr(model, "activation_checkpointing_enable"):
+            pytest.skip("every_n_layers needs transformers 5.24")
+        model.activation_checkpointing_enable({"use_reentrant": reentrant}, every_n_layers=int(base[4:]))
     elif base.startswith("nodes("):
         assert spec == MLP_IN, spec                    # the one node set this file runs
 
@@ -100,6 +107,9 @@ CASES = [
     (POINTS[1], "fp32", "adamw", "selective"),
     (POINTS[0], "bf16-mixed", "sgd", "selective,reentrant"),
     (POINTS[1], "bf16-mixed", "adamw", Recompute.layers(1, 2)),
+    (FOUR_LAYERS, "fp32", "adamw", "nth:2"),          # layers 0 and 2 checkpointed
+    (FOUR_LAYERS, "bf16-mixed", "sgd", "nth:2,reentrant"),
+    (POINTS[1], "fp32", "sgd", "nth:3"),              # layer 0 of 3
     (POINTS[0], "fp32", "adamw", MLP_IN),
 ]
 

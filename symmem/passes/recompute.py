@@ -45,17 +45,21 @@ TAG = ("recompute", "attention")
 
 
 def prepare(graph: Graph, policy) -> Graph:
-    """The graph the regions are cut from: K layers per iteration for ``every:K``. (For
+    """The graph the regions are cut from: K layers per iteration for ``every:K`` and
+    ``nth:K`` (whose regions are the first layer of each iteration). (For
     ``last:N`` and ``layers``, :mod:`symmem.passes.regions` has split each repeated block where
     the recomputed layers start and end and annotated their part ``checkpoint=True``.)"""
     spec = policy.recompute
-    if spec.mode != "every":
+    if spec.mode not in ("every", "nth"):
         return graph
+    if spec.mode == "nth" and not graph.repeats():
+        raise ConfigError("recompute", str(spec), "a model with a repeated block of layers",
+                          "Use Recompute.layers(...) or Recompute.nodes(...) on an unrolled graph.")
     for rep in graph.repeats():
         bound = sp.sympify(sp.sympify(rep.count).xreplace(graph.bindings))
         if bound.is_Integer and int(bound) % spec.k:
-            divisors = [f"every:{d}" for d in range(1, int(bound) + 1) if int(bound) % d == 0]
-            raise ConfigError("recompute", str(spec), f"every:K with K dividing the {bound} layers of block "
+            divisors = [f"{spec.mode}:{d}" for d in range(1, int(bound) + 1) if int(bound) % d == 0]
+            raise ConfigError("recompute", str(spec), f"{spec.mode}:K with K dividing the {bound} layers of block "
                               f"{rep.name!r}", f"For example {', '.join(divisors)}.")
         graph = graph.grouped(rep.name, spec.k)
     return graph
@@ -79,6 +83,9 @@ def regions(plan: Plan, graph: Graph, spec) -> list[list[int]]:
             raise ConfigError("recompute", "selective", "a model that tags its attention core "
                               f"({TAG[0]}={TAG[1]!r})", "Use recompute=full, or Recompute.nodes(...).")
         return _runs(fwd, layer, lambda e: e.node in tagged)
+    if spec.mode == "nth":     # the first layer of each group of N (prepare grouped them)
+        return _runs(fwd, layer, lambda e: layer[id(e)] is not None and isinstance(layer[id(e)][0], str)
+                     and e.node.startswith(f"{layer[id(e)][0]}/0/"))
     marked = {rep.name for rep in graph.repeats() if spec.mode in ("full", "every") or rep.layers_with("checkpoint")}
 
     def chosen(e):
@@ -146,7 +153,7 @@ def apply(plan: Plan, graph: Graph, policy) -> Plan:
     # what a layer's checkpoint receives as keyword arguments (transformers binds them with
     # functools.partial): kept, not saved through the hooks
     keywords = ({name for name, node in _nodes(graph).items() if node.attr("layer_kwarg")}
-                if spec.mode in ("full", "every", "last", "layers") else set())
+                if spec.mode in ("full", "every", "nth", "last", "layers") else set())
     for n, region in enumerate(found):
         _checkpoint(fwd, bwd, region, f"{CHECKPOINT}{n}", spec.reentrant, casts, keywords)
     note = (f"recompute {spec}: {len(found)} region{'s' * (len(found) != 1)} checkpointed "

@@ -10,6 +10,9 @@ first needs one of its saved tensors. The spec names the regions:
   (transformers 5: ``use_reentrant=False``);
 - ``every:K``: K consecutive layers form one region (the layer count must be a
   multiple of K);
+- ``nth:N``: layers 0, N, 2N, ... are regions, one each, and the others keep their
+  activations: transformers' ``activation_checkpointing_enable(every_n_layers=N)``
+  (``layer_index % every_n_layers == 0``; the layer count must be a multiple of N);
 - ``selective``: only the attention core of each layer (Korthikanti et al. 2022): the
   nodes a model tags ``recompute="attention"`` (scores, softmax, dropout, context);
 - ``last:N``: the last N layers keep their activations, the others are recomputed
@@ -44,19 +47,21 @@ RECOMPUTE = Registry("recompute mode")
 for _m in (RecomputeMode("none", "none", "keep every activation (no recomputation)"),
            RecomputeMode("full", "full", "checkpoint every layer (Hugging Face's gradient checkpointing)"),
            RecomputeMode("every", "every:K", "checkpoint K consecutive layers as one region"),
+           RecomputeMode("nth", "nth:N", "checkpoint layers 0, N, 2N, ... one region each, the others keep "
+                                         "their activations (transformers' every_n_layers=N)"),
            RecomputeMode("selective", "selective", "checkpoint the attention core of each layer"),
            RecomputeMode("last", "last:N", "keep the last N layers' activations, checkpoint the others"),
            RecomputeMode("nodes", "Recompute.nodes(...)", "from Python: checkpoint the given nodes"),
            RecomputeMode("layers", "Recompute.layers(a, z)", "from Python: checkpoint layers a to z - 1")):
     RECOMPUTE.register(_m)
 
-_ACCEPTED = "none, full, every:K, selective or last:N, each optionally followed by ,reentrant"
+_ACCEPTED = "none, full, every:K, nth:N, selective or last:N, each optionally followed by ,reentrant"
 
 
 @dataclass(frozen=True)
 class Recompute:
     """What is recomputed: ``mode`` (a :data:`RECOMPUTE` name), ``k`` (K of ``every:K``, N of
-    ``last:N``), ``reentrant``, ``names`` (``nodes``) and ``span`` ((start, stop) of
+    ``nth:N`` and ``last:N``), ``reentrant``, ``names`` (``nodes``) and ``span`` ((start, stop) of
     ``layers``, stop None for the last layer)."""
     mode: str = "none"
     k: int = 0
@@ -76,9 +81,9 @@ class Recompute:
         if text.endswith(",reentrant"):
             text, reentrant = text[: -len(",reentrant")], True
         mode, _, arg = text.partition(":")
-        if mode not in ("none", "full", "every", "selective", "last"):
+        if mode not in ("none", "full", "every", "nth", "selective", "last"):
             raise ConfigError("recompute", spec, _ACCEPTED)
-        needs_arg = mode in ("every", "last")
+        needs_arg = mode in ("every", "nth", "last")
         if needs_arg != bool(arg):
             raise ConfigError("recompute", spec, _ACCEPTED,
                               f"{mode}:K takes a number of layers, e.g. {mode}:2." if needs_arg
@@ -109,7 +114,7 @@ class Recompute:
 
     def __str__(self) -> str:
         text = self.mode
-        if self.mode in ("every", "last"):
+        if self.mode in ("every", "nth", "last"):
             text = f"{self.mode}:{self.k}"
         elif self.mode == "nodes":
             text = f"nodes({', '.join(self.names)})"
