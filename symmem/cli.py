@@ -599,6 +599,7 @@ def _solution_json(sol, bud, est) -> dict:
         "budget_bytes": bud.total, "reserve_bytes": bud.reserve, "usable_bytes": bud.usable,
         "bytes_at_max": sol.at_value.bytes,
         "bytes_past_max": sol.past_value.bytes if sol.past_value is not None else None,
+        **({"host_bytes": sol.at_value.bytes["host"]} if "host" in sol.at_value.bytes else {}),
         "peak_where_at_max": sol.at_value.peak_point.where,
         "boundary": None if sol.boundary is None else {
             "formula": str(sol.boundary), "latex": render_latex_expr(sol.boundary),

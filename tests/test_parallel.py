@@ -196,3 +196,29 @@ def test_cli_parallel_options_and_host_bytes(capsys):
     code = main(["estimate", "--config", str(TINY), "--batch", "2", "--seq", "16", "--dp", "2",
                  "--parallel", "dp=4"])
     assert code == 1 and "Give the layout one way" in capsys.readouterr().err
+
+
+def test_zero1_bucket_in_every_micro_batch(graph):
+    """With gradient accumulation each backward() call allocates DeepSpeed's ipg buffer: every
+    micro-batch's backward points carry it (1000 elements, 1000 B_g bytes)."""
+    with_, without = (est(graph, f"dp=d,zero=1,reduce_bucket={n}", accumulate=3) for n in (1000, 0))
+    for micro in ("1", "2", "3"):
+        def first(e):
+            return next(p for p in e.timeline if p.phase == "backward" and p.micro == micro)
+        assert sp.expand(first(with_).total - first(without).total - 1000 * sm.symbols.B_g) == 0, micro
+
+
+def test_max_batch_per_rank(capsys):
+    """max-batch takes the layout: ZeRO-3 over 8 ranks fits a larger micro-batch than one device."""
+    argv = ["max-batch", "--config", str(TINY), "--seq", "16", "--precision", "bf16-master", "--budget", "16MiB",
+            "--reserve", "0", "--format", "json"]
+    assert main(argv) == 0
+    one = json.loads(capsys.readouterr().out)["max_batch"]
+    assert main(argv + ["--dp", "8", "--fsdp", "full"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    assert sharded["max_batch"] > one and "FSDP full over dp = 8" in sharded["policy"]
+    assert "host_bytes" not in sharded
+    assert main(argv + ["--dp", "8", "--fsdp", "full", "--offload", "params"]) == 0
+    offloaded = json.loads(capsys.readouterr().out)
+    # on the host: params 2N/8 + master 4N/8 + AdamW 8N/8 + the float32 gradient partition 4N/8 = 18N/8
+    assert offloaded["host_bytes"] == offloaded["bytes_at_max"]["host"] == 18 * N // 8

@@ -164,8 +164,10 @@ class _Shard:
         optimizer = self._optimizer(plan.optimizer)
         note = (f"{par.describe()}: per rank, sharded over n = {n}"
                 + (f"; host {sp.expand(host)}" if host != 0 else ""))
+        # gradient accumulation (ZeRO-1 only): every backward() call makes its ipg buffer
+        later = tuple(replace(mb, backward=self._backward(mb.backward, device_grads)) for mb in plan.later)
         return replace(plan, states=tuple(states), forward=forward, backward=backward, optimizer=optimizer,
-                       components=comps, notes=plan.notes + (note,))
+                       components=comps, later=later, notes=plan.notes + (note,))
 
     # ----- forward and backward -------------------------------------------------------------
     def _last_copies(self, events, phase):
