@@ -29,8 +29,15 @@ def graph():
     return sm.models.from_hf_config(TINY / "config.json")
 
 
+_CACHE: dict = {}
+
+
 def est(graph, parallel, **kw):
-    return sm.estimate(graph, sm.Policy(precision="bf16-master", parallel=parallel, **kw))
+    """The tiny model's estimate under ``parallel`` (derived once per module)."""
+    key = (parallel, tuple(sorted(kw.items())))
+    if key not in _CACHE:
+        _CACHE[key] = sm.estimate(graph, sm.Policy(precision="bf16-master", parallel=parallel, **kw))
+    return _CACHE[key]
 
 
 # ----------------------------------------------------------------------------- the layout
@@ -154,6 +161,19 @@ def test_fsdp_full_gathers_the_unit_and_the_next(graph):
     # without prefetch every layer's copy is alike (one segment): any of its points
     pts0 = [p for p in e0.timeline if p.node == "all-gather h" and p.phase == "backward"]
     assert sp.expand(dict(pts0[0].parts)["params"] - (shard + root + units["h"])) == 0
+
+
+def test_fsdp_prefetches_in_backward_only(graph):
+    """FSDP2 gathers one layer at a time in forward (no forward prefetch by default) and one ahead
+    in backward; DeepSpeed's ZeRO-3 prefetches both ways. At a middle layer's forward point the
+    gathered parameters beyond the shards and the root are one unit (FSDP) or two (ZeRO-3)."""
+    units, root, *_ = unit_bytes(graph)
+    # FSDP's layers are alike in forward (one segment, its last run labelled "last"); ZeRO-3's
+    # middle layers prefetch and its last does not ("second to last": a middle one)
+    for layout, ahead, it in (("dp=d,fsdp=full", 1, "last"), ("dp=d,zero=3", 2, "second to last")):
+        e = est(graph, layout)
+        p = next(p for p in e.timeline if p.phase == "forward" and p.node == "h/ln_1" and p.iteration == it)
+        assert sp.expand(dict(p.parts)["params"] - e.components["params"] - root - ahead * units["h"]) == 0, layout
 
 
 def test_grad_op_keeps_every_unit_until_backward(graph):

@@ -41,7 +41,9 @@ What each layout changes, as the libraries allocate it:
   ``torch/distributed/fsdp/_fully_shard``): ZeRO-3's states and gathering; the all-gather's flat
   output (one unit) beside the unsharded parameters while they are copied out, and the
   reduce-scatter's flat input (one unit of gradients) beside the full gradients. The root does
-  not reshard after forward (FSDP2 sets it so). No ipg bucket.
+  not reshard after forward (FSDP2 sets it so). No ipg bucket. FSDP2 prefetches in backward
+  only (its default; DeepSpeed both ways); the all-gather's input is a slice of its output
+  (``all_gather_copy_in``), no extra.
 - **FSDP grad-op** (``reshard_after_forward=False``, SHARD_GRAD_OP): as full, but a unit
   gathered in forward stays whole until its backward has run (all of them at the end of
   forward: ZeRO-2's peak).
@@ -175,12 +177,18 @@ class _Shard:
         begins = [(e.block, e.copy) for e in events if isinstance(e, Begin)]
         return begins[-1] if begins else None
 
+    def _prefetch(self, phase: str) -> int:
+        """Units gathered ahead: DeepSpeed prefetches both ways; FSDP2 in backward only by
+        default (``FSDPState._pre_backward``'s ``default_prefetch``; forward prefetch needs
+        ``set_modules_to_forward_prefetch``)."""
+        return 0 if self.fsdp and phase == "forward" else self.par.prefetch
+
     def _gathered(self, block: str, phase: str, last: bool) -> list:
         """Alloc events of a unit gathered at its start, and the all-gather's moment."""
         unit, out = self.units[block], []
         out.append(Alloc(Key("gathered", f"{block} ({phase})"), unit, "params"))
-        if self.par.prefetch and not last:
-            out.append(Alloc(Key("prefetched", f"{block} ({phase})"), self.par.prefetch * unit, "params"))
+        if self._prefetch(phase) and not last:
+            out.append(Alloc(Key("prefetched", f"{block} ({phase})"), self._prefetch(phase) * unit, "params"))
         if self.fsdp:     # FSDP2: the all-gather's flat output beside the copied-out parameters
             out.append(Mark(phase, f"all-gather {block}", (("transient", unit),)))
         return out
@@ -201,8 +209,9 @@ class _Shard:
                 continue
             if isinstance(e, End):
                 unit = self.units[e.block]
-                if self.par.prefetch and current != last:
-                    out.append(Free(Key("prefetched", f"{e.block} (forward)"), self.par.prefetch * unit, "params"))
+                if self._prefetch("forward") and current != last:
+                    out.append(Free(Key("prefetched", f"{e.block} (forward)"), self._prefetch("forward") * unit,
+                                    "params"))
                 if self.gather == "unit":
                     out.append(Free(Key("gathered", f"{e.block} (forward)"), unit, "params"))
                 out.append(e)
@@ -232,8 +241,8 @@ class _Shard:
                 out += self._reduce(full.pop(current, []), e.block, device_grads)
                 unit = self.units[e.block]
                 if self.gather == "unit":
-                    if self.par.prefetch and current != last:
-                        out.append(Free(Key("prefetched", f"{e.block} (backward)"), self.par.prefetch * unit,
+                    if self._prefetch("backward") and current != last:
+                        out.append(Free(Key("prefetched", f"{e.block} (backward)"), self._prefetch("backward") * unit,
                                         "params"))
                     out.append(Free(Key("gathered", f"{e.block} (backward)"), unit, "params"))
                 elif self.gather == "keep":
