@@ -129,6 +129,15 @@ def test_model_states_per_parameter(graph, layout, per_param):
     assert sp.expand(states(e).xreplace(e.policy.prec.bindings()) - per_param * n_params) == 0
 
 
+def test_hybrid_needs_whole_groups(graph):
+    """Hybrid sharding with d a symbol: evaluating at a d that is not a multiple of the group is refused."""
+    e = est(graph, "dp=d,fsdp=hybrid")
+    assert e.at(b=2, s=16, d=16).bytes["optimizer"] == 8 * N // 8      # AdamW's 8N over the group of 8
+    with pytest.raises(ConfigError, match="d = 12 is not valid: expected a multiple of 8: FSDP hybrid shards "
+                                          "within groups of shard_size = 8 ranks"):
+        e.at(b=2, s=16, d=12)
+
+
 def test_host_bytes(graph):
     """Offloaded: master (4) + AdamW (8) + the float32 gradient partition (4) per parameter, over d;
     params offloaded add their 2/d. At d = 8: 16N/8 = 344,576 and 18N/8 = 387,648."""

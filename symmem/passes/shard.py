@@ -3,8 +3,9 @@
 All data-parallel ranks run alike, so the plan of one is the estimate. ``n`` is the shard
 degree: the symbol ``d`` (bound to ``dp`` where it is a number), or a hybrid group's
 ``shard_size``. Formulas stay symbolic in ``d``; a sharded tensor of ``N`` elements is counted
-``N / n`` (DeepSpeed pads each flat partition to a multiple of ``n``: exact where ``n``
-divides, at most ``n - 1`` elements more otherwise).
+``N / n``: exact where ``n`` divides; otherwise DeepSpeed pads each flat partition to a
+multiple of ``n`` (at most ``n - 1`` elements more) and FSDP2 pads each parameter's first
+dimension (``ceil(dim0 / n)`` rows a rank).
 
 What each layout changes, as the libraries allocate it:
 
@@ -64,7 +65,8 @@ import sympy as sp
 
 from ..lowering import grad_bytes, weight_bytes
 from ..plan import Alloc, Backward, Begin, End, Free, Key, Mark, Plan
-from ..symbols import B_g
+from ..requirements import Requirement
+from ..symbols import B_g, d
 
 __all__ = ["prepare", "apply", "unit_bytes"]
 
@@ -164,12 +166,17 @@ class _Shard:
         forward = self._forward(plan.forward)
         backward = self._backward(plan.backward, device_grads)
         optimizer = self._optimizer(plan.optimizer)
+        requirements = plan.requirements
+        if par.fsdp == "hybrid":       # d ranks in groups of shard_size: the formulas need it to divide
+            requirements += (Requirement(sp.Integer(par.shard_size), d,
+                                         f"FSDP hybrid shards within groups of shard_size = {par.shard_size} ranks",
+                                         "divides"),)
         note = (f"{par.describe()}: per rank, sharded over n = {n}"
                 + (f"; host {sp.expand(host)}" if host != 0 else ""))
         # gradient accumulation (ZeRO-1 only): every backward() call makes its ipg buffer
         later = tuple(replace(mb, backward=self._backward(mb.backward, device_grads)) for mb in plan.later)
         return replace(plan, states=tuple(states), forward=forward, backward=backward, optimizer=optimizer,
-                       components=comps, later=later, notes=plan.notes + (note,))
+                       components=comps, later=later, requirements=requirements, notes=plan.notes + (note,))
 
     # ----- forward and backward -------------------------------------------------------------
     def _last_copies(self, events, phase):

@@ -67,7 +67,8 @@ class Policy:
     ``"int8"`` stores the frozen linear weights so (with ``lora``, in a pure precision) but
     those ``quantize_skip`` names (modules, ``first:N``, ``last:N``). ``keep_fp32`` names
     modules and layer ranges run with autocast off, in float32 (with ``bf16-mixed`` or
-    ``fp16-mixed``)."""
+    ``fp16-mixed``). ``parallel`` is a :class:`Parallel` or its spec (``"dp=8,zero=3"``):
+    the step is then one data-parallel rank's (:mod:`symmem.passes.shard`)."""
     precision: str = "fp32"
     optimizer: str = "adamw"
     device: str = "cuda"
