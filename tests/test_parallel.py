@@ -142,6 +142,7 @@ def test_host_bytes(graph):
     """Offloaded: master (4) + AdamW (8) + the float32 gradient partition (4) per parameter, over d;
     params offloaded add their 2/d. At d = 8: 16N/8 = 344,576 and 18N/8 = 387,648."""
     assert est(graph, "dp=d,zero=2,offload=optimizer").at(b=2, s=16, d=8).bytes["host"] == 16 * N // 8
+    assert est(graph, "dp=d,zero=1,offload=optimizer").at(b=2, s=16, d=8).bytes["host"] == 16 * N // 8
     assert est(graph, "dp=d,zero=3,offload=both").at(b=2, s=16, d=8).bytes["host"] == 18 * N // 8
     assert "host" not in est(graph, "dp=d,zero=3").components
 

@@ -123,7 +123,7 @@ class _Shard:
         #: "unit": gathered per unit in forward and in backward; "keep": gathered in forward,
         #: whole until the unit's backward (FSDP grad-op); None: parameters never sharded
         self.gather = "keep" if par.fsdp == "grad-op" else "unit" if self.stage == 3 else None
-        self.units, self.root, self.unit_grads, self.root_grads = unit_bytes(graph)
+        self.units, self.root, *_ = unit_bytes(graph)
         self.bucket = ZERO if self.fsdp else sp.Integer(par.reduce_bucket) * B_g
 
     # ----- states ---------------------------------------------------------------------------
@@ -146,8 +146,8 @@ class _Shard:
         shard = {k: sp.expand(comps.get(k, ZERO) / n) for k in ("params", "grads", "master", "optimizer")}
         if par.offload_optimizer:
             host += shard["master"] + shard["optimizer"]
-            if self.stage >= 2:       # the gradient partition, in the master dtype (float32) when there is one
-                host += (master_grads / n) if master_grads != 0 else shard["grads"]
+            # the gradient partition the host steps with, in the master dtype (float32) when there is one
+            host += (master_grads / n) if master_grads != 0 else shard["grads"]
             comps["master"] = comps["optimizer"] = ZERO
         else:
             comps["master"], comps["optimizer"] = shard["master"], shard["optimizer"]
