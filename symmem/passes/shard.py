@@ -24,8 +24,10 @@ What each layout changes, as the libraries allocate it:
   (``reduce_independent_p_g_buckets_and_remove_grads``); the rank keeps its partition. The
   transient buffer counted: ``backward()`` allocates ``ipg_buffer``, one flat tensor of
   ``reduce_bucket_size`` elements (``reduce_bucket``, default 5e8) in the gradients' dtype,
-  for the whole backward pass (a second one with ``overlap_comm``, not modelled). ZeRO-1
-  allocates it too.
+  for the whole backward pass (a second one with ``overlap_comm``, not modelled). ZeRO-1 has
+  none: DeepSpeed's engine turns ``contiguous_gradients`` off at stage 1
+  (``runtime/engine.py``, ``_configure_zero_optimizer``), and the full gradients stay until
+  the step.
 - **ZeRO-3** (``runtime/zero/stage3.py``): + parameters. The parameters of the unit being
   computed (one iteration of the repeated block: a decoder layer) are gathered whole for its
   forward and again for its backward, and freed after; ``prefetch`` more units (1) are
@@ -173,10 +175,8 @@ class _Shard:
                                          "divides"),)
         note = (f"{par.describe()}: per rank, sharded over n = {n}"
                 + (f"; host {sp.expand(host)}" if host != 0 else ""))
-        # gradient accumulation (ZeRO-1 only): every backward() call makes its ipg buffer
-        later = tuple(replace(mb, backward=self._backward(mb.backward, device_grads)) for mb in plan.later)
         return replace(plan, states=tuple(states), forward=forward, backward=backward, optimizer=optimizer,
-                       components=comps, later=later, requirements=requirements, notes=plan.notes + (note,))
+                       components=comps, requirements=requirements, notes=plan.notes + (note,))
 
     # ----- forward and backward -------------------------------------------------------------
     def _last_copies(self, events, phase):
@@ -228,11 +228,7 @@ class _Shard:
 
     def _backward(self, events, device_grads: bool) -> tuple:
         if self.stage < 2:
-            if self.bucket == 0:
-                return events
-            cut = len(events) - 1        # the ipg buffer, from backward() to its epilogue
-            return ((Alloc(Key("ipg bucket", "backward"), self.bucket, "transient"),) + tuple(events[:cut])
-                    + (Free(Key("ipg bucket", "backward"), self.bucket, "transient"),) + tuple(events[cut:]))
+            return events
         out, full, current = [], {}, None
         last = self._last_copies(events, "backward")
         if self.bucket != 0 and self.stage < 3:      # stage_1_and_2.py backward(): the ipg buffer
