@@ -245,3 +245,11 @@ def test_max_batch_per_rank(capsys):
     offloaded = json.loads(capsys.readouterr().out)
     # on the host: params 2N/8 + master 4N/8 + AdamW 8N/8 + the float32 gradient partition 4N/8 = 18N/8
     assert offloaded["host_bytes"] == offloaded["bytes_at_max"]["host"] == 18 * N // 8
+
+
+def test_single_device_layouts_change_nothing(graph):
+    """dp = 1 with nothing sharded is one device whatever the bucket and prefetch sizes: the same
+    estimate as no layout at all."""
+    a = est(graph, "none").at(b=2, s=16)
+    b_ = est(graph, "reduce_bucket=0,prefetch=2").at(b=2, s=16)
+    assert a.bytes == b_.bytes and a.peak_point.where == b_.peak_point.where

@@ -191,7 +191,9 @@ class Parallel:
 
     @property
     def is_single(self) -> bool:
-        return self == Parallel()
+        """One device: one data-parallel rank, nothing sharded or offloaded (the buckets' and
+        prefetch's sizes then change nothing)."""
+        return _is_one(self.dp) and not self.zero and self.fsdp is None and self.offload == "none"
 
     def micro_batch(self, global_batch: int, accumulate: int = 1):
         """The micro-batch ``b`` of each rank for a global batch: ``global_batch / (dp *
@@ -237,7 +239,7 @@ class Parallel:
 
     def __str__(self) -> str:
         """The spec :meth:`parse` reads back: the fields that differ from one device."""
-        if self.is_single:
+        if self == Parallel():
             return "none"
         default = Parallel()
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
