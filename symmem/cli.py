@@ -27,7 +27,7 @@ from .engine import COMPONENTS, canonical
 from .errors import ConfigError, SymmemError
 from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
 from .printing import latex as render_latex_expr
-from .policy import PARTS, Policy
+from .policy import PARTS, Parallel, Policy
 from .plan import ROLES
 
 __all__ = ["main", "build_parser"]
@@ -132,6 +132,38 @@ def _policy_options(p):
         p.add_argument(part.option, dest=part.field, metavar=part.metavar, default=part.default,
                        type=int if part.field == "accumulate" else str,
                        help=f"{part.help}{names} (default: {part.default})".replace("%", "%%"))
+    _parallel_options(p)
+
+
+#: The parallel layout's options (symmem.policy.Parallel): option, field, type, help.
+PARALLEL_OPTIONS = (
+    ("--dp", "dp", str, "D", "data-parallel ranks: a number, or d to keep the degree a symbol"),
+    ("--zero", "zero", int, "Z", "DeepSpeed ZeRO stage 0-3 (1: optimizer states sharded, 2: + gradients, "
+                                 "3: + parameters)"),
+    ("--fsdp", "fsdp", str, "NAME", "FSDP sharding: full | grad-op | hybrid (not with --zero)"),
+    ("--shard-size", "shard_size", int, "N", "ranks of one shard group under --fsdp hybrid (default 8)"),
+    ("--offload", "offload", str, "NAME", "none | optimizer | params | both: what lives on the host"),
+    ("--reduce-bucket", "reduce_bucket", int, "N", "DeepSpeed's reduce_bucket_size in elements (default 5e8)"),
+    ("--prefetch", "prefetch", int, "N", "units gathered ahead under ZeRO-3/FSDP (default 1)"),
+    ("--tp", "tp", str, "T", "tensor-parallel degree (not modelled yet)"),
+    ("--sp", "sp", None, None, "sequence parallelism (not modelled yet)"),
+    ("--pp", "pp", str, "P", "pipeline stages (not modelled yet)"),
+    ("--schedule", "schedule", str, "NAME", "pipeline schedule: gpipe | 1f1b | interleaved (not modelled yet)"),
+    ("--virtual-stages", "virtual_stages", int, "V", "virtual pipeline stages (not modelled yet)"),
+    ("--microbatches", "microbatches", int, "M", "pipeline micro-batches (not modelled yet)"),
+    ("--cp", "cp", str, "C", "context-parallel degree (not modelled yet)"),
+    ("--ep", "ep", str, "E", "expert-parallel degree (not modelled yet)"),
+)
+
+
+def _parallel_options(p):
+    """The degrees of the parallel layout, one option each; together they make a Parallel."""
+    g = p.add_argument_group("parallel layout (symmem.Parallel; per-rank memory)")
+    for option, field, kind, metavar, text in PARALLEL_OPTIONS:
+        if kind is None:
+            g.add_argument(option, dest=f"par_{field}", action="store_true", default=None, help=text)
+        else:
+            g.add_argument(option, dest=f"par_{field}", type=kind, metavar=metavar, default=None, help=text)
 
 
 def _budget_options(p):
@@ -301,7 +333,15 @@ def _preset_estimate(name: str, policy: Policy):
 
 
 def _policy(args) -> Policy:
-    return Policy(**{part.field: getattr(args, part.field) for part in PARTS})
+    fields = {part.field: getattr(args, part.field) for part in PARTS}
+    given = {f: getattr(args, f"par_{f}") for _, f, *_ in PARALLEL_OPTIONS
+             if getattr(args, f"par_{f}", None) is not None}
+    if given:
+        if str(fields["parallel"]).lower() != "none":
+            raise ConfigError("--parallel", fields["parallel"], "none when --dp, --zero, --fsdp, ... are given",
+                              "Give the layout one way: --parallel dp=8,zero=3 or --dp 8 --zero 3.")
+        fields["parallel"] = Parallel(**given)
+    return Policy(**fields)
 
 
 def policy_inputs(policy: Policy) -> dict:
@@ -309,6 +349,7 @@ def policy_inputs(policy: Policy) -> dict:
     PyTorch would pick for ``auto``."""
     out = {part.field: getattr(policy, part.field) for part in PARTS}
     out["recompute"] = str(policy.recompute)
+    out["parallel"] = str(policy.parallel)
     rank = policy.lora.rank if policy.lora else None
     out["lora"] = rank if rank is None or isinstance(rank, int) else str(rank)      # 8, or "r"
     out["lora_targets"] = list(policy.lora_targets) if policy.lora_targets else None
@@ -377,6 +418,7 @@ def _report(args, policy: Policy) -> dict:
             "bindings": {str(k): _number(v) for k, v in bindings.items()},
             "parameters": int(est.prepared.param_count().xreplace(bindings)),
             "bytes": {k: ev.bytes[k] for k in (*COMPONENTS, *(("cache",) if inference else ()), "peak")},
+            **({"host_bytes": ev.bytes["host"]} if "host" in ev.bytes else {}),
             **({"new_tokens": args.new_tokens, "phase_peaks": _phase_peaks(est, ev)} if inference else {}),
             "peak_phase": point.phase,
             "peak_node": point.node,
@@ -474,6 +516,9 @@ def render_table(args, policy: Policy, r: dict) -> str:
             continue
         out.append(f"{role:<{w}}{v:>{wb},}{format_bytes(v):>{ws}}{100 * v / ev.peak:>11.1f}%")
     out.append(f"{'peak':<{w}}{ev.peak:>{wb},}{format_bytes(ev.peak):>{ws}}{100.0:>11.1f}%")
+    if "host" in ev.bytes:          # offloaded: on the host, not in the device's peak
+        out.append(f"{'host (offloaded, not in the peak)':<{w}}{ev.bytes['host']:>{wb},}"
+                   f"{format_bytes(ev.bytes['host']):>{ws}}")
     bound = canonical(r["active"].xreplace(est.bindings))
     n = len(est.candidates)
     out += ["", f"peak formula (the largest at these inputs of the {n} candidates whose max is the peak):",
@@ -554,6 +599,7 @@ def _solution_json(sol, bud, est) -> dict:
         "budget_bytes": bud.total, "reserve_bytes": bud.reserve, "usable_bytes": bud.usable,
         "bytes_at_max": sol.at_value.bytes,
         "bytes_past_max": sol.past_value.bytes if sol.past_value is not None else None,
+        **({"host_bytes": sol.at_value.bytes["host"]} if "host" in sol.at_value.bytes else {}),
         "peak_where_at_max": sol.at_value.peak_point.where,
         "boundary": None if sol.boundary is None else {
             "formula": str(sol.boundary), "latex": render_latex_expr(sol.boundary),
@@ -707,6 +753,10 @@ def _policy_entries(part) -> list[tuple[str, str]]:
     if part.registry is not None:
         return [(e.name, e.description) for e in part.registry.values()]
     return {"accumulate": [("K", "a whole number >= 1 (1: no gradient accumulation)")],
+            "parallel": [("none", "one device"),
+                         ("KEY=VALUE,...", "the fields of symmem.Parallel: dp, zero, fsdp, shard_size, offload, "
+                                           "reduce_bucket, prefetch (tp, sp, pp, schedule, virtual_stages, "
+                                           "microbatches, cp, ep: not modelled yet)")],
             "lora": [("none", "no adapters: every weight trained"),
                      ("R", "a rank >= 1: adapters A (R x in) and B (out x R) beside each target"),
                      ("r", "the rank as the symbol r, which stays in the formulas")],

@@ -498,6 +498,9 @@ def _unbound(expr, what: str) -> ConfigError:
     if "r" in missing:
         fix += " The LoRA rank stays a symbol under lora='r' (--lora r, for `symmem formula`); give a number " \
                "(lora=8, --lora 8) to evaluate."
+    if "d" in missing:
+        fix += " The data-parallel degree stays a symbol under dp='d' (--dp d); give a number (dp=8, --dp 8) " \
+               "to evaluate, or solve for it (symmem solve --for d --min)."
     return ConfigError("values", missing, f"a value for every symbol of {what} ({meanings})", fix)
 
 

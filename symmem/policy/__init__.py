@@ -20,7 +20,9 @@ Each part is chosen from a registry (:mod:`symmem.policy.registry`), one module 
 - ``keep_fp32``: modules and layer ranges a mixed-precision run keeps out of autocast, in
   float32 (:mod:`symmem.passes.keep_fp32`); both name regions as :mod:`~symmem.policy.regions`
   says;
-- ``parallel`` (:mod:`~symmem.policy.slots`): one entry today;
+- ``parallel`` (:mod:`~symmem.policy.parallel`): the parallel layout, a
+  :class:`~symmem.policy.parallel.Parallel` (data parallelism, ZeRO, FSDP, offload) or its
+  spec (``"dp=8,zero=3"``; ``"none"``: one device), derived per rank by :mod:`symmem.passes.shard`;
 - ``mode`` and ``cache`` (:mod:`~symmem.policy.inference`): ``"inference"`` derives the
   prefill and one decoding step of generation with a KV cache instead of a training step
   (:mod:`symmem.passes.inference`).
@@ -43,11 +45,13 @@ from .quantize import QUANTIZE, Quantization
 from .recompute import RECOMPUTE, Recompute
 from .regions import parse_regions
 from .registry import Registry
+from .parallel import Parallel
 from .slots import DEVICES, PARALLEL
 
 __all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "LoRA", "Registry",
            "Quantization", "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION",
-           "QUANTIZE", "PARALLEL", "LORA_DTYPES", "MODES", "CACHES"]
+           "QUANTIZE", "PARALLEL", "LORA_DTYPES", "MODES", "CACHES",
+           "Parallel"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,8 @@ class Policy:
     ``"int8"`` stores the frozen linear weights so (with ``lora``, in a pure precision) but
     those ``quantize_skip`` names (modules, ``first:N``, ``last:N``). ``keep_fp32`` names
     modules and layer ranges run with autocast off, in float32 (with ``bf16-mixed`` or
-    ``fp16-mixed``)."""
+    ``fp16-mixed``). ``parallel`` is a :class:`Parallel` or its spec (``"dp=8,zero=3"``):
+    the step is then one data-parallel rank's (:mod:`symmem.passes.shard`)."""
     precision: str = "fp32"
     optimizer: str = "adamw"
     device: str = "cuda"
@@ -77,7 +82,7 @@ class Policy:
     quantize: str = "none"
     quantize_skip: tuple | str | None = None
     keep_fp32: tuple | str | None = None
-    parallel: str = "none"
+    parallel: Parallel | str = "none"
     mode: str = "training"
     cache: str = "dynamic"
     #: the inference step a plan is lowered for (set by the engine, not a choice)
@@ -90,6 +95,7 @@ class Policy:
             if part.registry is not None:     # canonical names: "AdamW" is "adamw"
                 object.__setattr__(self, part.field, part.registry.lookup(getattr(self, part.field)).name)
         object.__setattr__(self, "recompute", Recompute.parse(self.recompute))
+        object.__setattr__(self, "parallel", Parallel.parse(self.parallel))
         lora = LoRA.parse(self.lora, self.lora_targets)
         object.__setattr__(self, "lora", lora)
         object.__setattr__(self, "lora_targets", lora.targets if lora else None)
@@ -113,6 +119,8 @@ class Policy:
                               "Give --mode inference too, or leave --cache out.")
         if self.prec.fp8:
             self._check_fp8()
+        if not self.parallel.is_single:
+            self._check_parallel()
         if self.quantize != "none":
             self._check_quantize()
         elif self.quantize_skip:
@@ -137,6 +145,18 @@ class Policy:
                                   f"{default} (inference has no backward to recompute for, no optimizer step, "
                                   "and quantized or adapted inference is not modelled)",
                                   f"Leave --{name.replace('_', '-')} out with --mode inference.")
+
+    def _check_parallel(self):
+        """Sharding is modelled for a training step of one micro-batch per optimizer step from
+        ZeRO-2 on (gradient accumulation into sharded gradients is not modelled yet)."""
+        par = self.parallel
+        if self.mode == "inference":
+            raise ConfigError("parallel with --mode inference", str(par), "none",
+                              "Data-parallel inference is one model per device: derive one device.")
+        if par.stage >= 2 and self.accumulate > 1:
+            raise ConfigError("accumulate with sharded gradients", self.accumulate,
+                              "1 (accumulation into sharded gradients, ZeRO-2/3 and FSDP, is not modelled yet)",
+                              "Use --zero 1 or DDP with --accumulate, or leave --accumulate out.")
 
     def _check_fp8(self):
         """Transformer Engine's FP8 GEMMs run on CUDA (compute capability 8.9 and later), and
@@ -195,7 +215,8 @@ class Policy:
     def bindings(self) -> dict:
         """Numbers for the byte symbols (optimizer states in the dtype of what they step), and
         the LoRA rank ``r`` where it is a number."""
-        return {**self.prec.bindings(), **(self.lora.symbol_value if self.lora else {})}
+        return {**self.prec.bindings(), **(self.lora.symbol_value if self.lora else {}),
+                **self.parallel.bindings()}
 
     def describe(self, kernels: tuple = ()) -> str:
         """The policy in words; ``kernels``: the attention kernels ``sdpa`` picked, named
@@ -218,6 +239,8 @@ class Policy:
                 out += f", except {', '.join(self.quantize_skip)}"
         if self.keep_fp32:
             out += f"; {', '.join(self.keep_fp32)} kept in float32 (autocast off)"
+        if not self.parallel.is_single:
+            out += f"; {self.parallel.describe()}"
         return out
 
 
@@ -260,7 +283,9 @@ PARTS = (
     Part("keep_fp32", "--keep-fp32", None, "NAMES",
          "modules run in float32 with autocast off (bf16-mixed, fp16-mixed): module names (lm_head, attn) "
          "and first:N, last:N"),
-    Part("parallel", "--parallel", PARALLEL, "NAME", "the parallel layout"),
+    Part("parallel", "--parallel", None, "SPEC",
+         "the parallel layout: none, or KEY=VALUE pairs (dp=8,zero=3); --dp, --zero, --fsdp, --offload, ... "
+         "set the same"),
     Part("mode", "--mode", MODES, "NAME", "a training step, or inference (generation with a KV cache)"),
     Part("cache", "--cache", CACHES, "NAME", "the KV cache's kind (--mode inference)"),
 )

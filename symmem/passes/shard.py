@@ -1,0 +1,310 @@
+"""Data parallelism, ZeRO, FSDP and offload: the plan of one data-parallel rank.
+
+All data-parallel ranks run alike, so the plan of one is the estimate. ``n`` is the shard
+degree: the symbol ``d`` (bound to ``dp`` where it is a number), or a hybrid group's
+``shard_size``. Formulas stay symbolic in ``d``; a sharded tensor of ``N`` elements is counted
+``N / n``: exact where ``n`` divides; otherwise DeepSpeed pads each flat partition to a
+multiple of ``n`` (at most ``n - 1`` elements more) and FSDP2 pads each parameter's first
+dimension (``ceil(dim0 / n)`` rows a rank).
+
+What each layout changes, as the libraries allocate it:
+
+- **DDP** (``zero=0``, ``dp > 1``; ``torch/nn/parallel/distributed.py`` and
+  ``torch/csrc/distributed/c10d/reducer.cpp``): the Reducer allocates its buckets at
+  construction, flat per dtype, ``bucket_cap_mb=25`` MiB each and the first 1 MiB
+  (``_DEFAULT_FIRST_BUCKET_BYTES``); with ``gradient_as_bucket_view=False`` (the default)
+  each gradient is copied into its bucket and back, so the buckets are a second copy of
+  every trainable gradient, held for the whole run. The cap only groups parameters: the
+  buckets hold ``sum(grads)`` bytes whatever it is. Counted in ``grads`` (twice the gradients).
+- **ZeRO-1** (DeepSpeed ``runtime/zero/stage_1_and_2.py``): the master copy and the
+  optimizer states sharded (``/ n``), and the step's temporaries (the float32 gradients of
+  the partition, the optimizer's own) with them.
+- **ZeRO-2**: + gradients. With ``contiguous_gradients`` (DeepSpeed's default) each gradient
+  is copied into the "ipg" bucket as its hook fires and the full one freed
+  (``reduce_independent_p_g_buckets_and_remove_grads``); the rank keeps its partition. The
+  transient buffer counted: ``backward()`` allocates ``ipg_buffer``, one flat tensor of
+  ``reduce_bucket_size`` elements (``reduce_bucket``, default 5e8) in the gradients' dtype,
+  for the whole backward pass (a second one with ``overlap_comm``, not modelled). ZeRO-1 has
+  none: DeepSpeed's engine turns ``contiguous_gradients`` off at stage 1
+  (``runtime/engine.py``, ``_configure_zero_optimizer``), and the full gradients stay until
+  the step.
+- **ZeRO-3** (``runtime/zero/stage3.py``): + parameters. The parameters of the unit being
+  computed (one iteration of the repeated block: a decoder layer) are gathered whole for its
+  forward and again for its backward, and freed after; ``prefetch`` more units (1) are
+  gathered ahead of it, but for the last unit run. The parameters outside the repeated block
+  (embeddings, final norm, output layer) form the root unit, whole from the start of forward
+  to the end of backward. Each unit's full gradients live until its backward has run, then
+  are reduce-scattered into the rank's partition, a flat buffer made at initialisation
+  (``grad_partitions_flat_buffer``, held always, as is stage 3's ipg bucket: one flat tensor
+  of ``reduce_bucket`` elements). Assumed:
+  ``stage3_param_persistence_threshold=0`` (DeepSpeed's default 1e5 keeps smaller parameters,
+  biases and norms, whole on every rank) and a unit gathered whole (DeepSpeed gathers per
+  submodule, with a prefetch bucket of 5e7 elements: for larger layers this is an upper bound).
+- **FSDP full** (FSDP2's ``fully_shard`` on every layer and the root; per-parameter sharding,
+  ``torch/distributed/fsdp/_fully_shard``): ZeRO-3's states and gathering; the all-gather's flat
+  output (one unit) beside the unsharded parameters while they are copied out, and the
+  reduce-scatter's flat input (one unit of gradients) beside the full gradients. The root does
+  not reshard after forward (FSDP2 sets it so). No ipg bucket. FSDP2 prefetches in backward
+  only (its default; DeepSpeed both ways); the all-gather's input is a slice of its output
+  (``all_gather_copy_in``), no extra.
+- **FSDP grad-op** (``reshard_after_forward=False``, SHARD_GRAD_OP): as full, but a unit
+  gathered in forward stays whole until its backward has run (all of them at the end of
+  forward: ZeRO-2's peak).
+- **FSDP hybrid** (HYBRID_SHARD): full sharding over ``shard_size`` ranks (8: one node of
+  eight GPUs, an assumption), replicated across nodes.
+- **Offload** ``optimizer``: the master copy, optimizer states and step counters live on the
+  host and the step runs there (ZeRO-Offload): the device keeps no optimizer temporaries and,
+  from stage 2, no gradient partition (it is copied to the host, in float32). ``params``
+  (stage 3, FSDP full or hybrid): the parameter shards live on the host and are gathered
+  to the device per unit; FSDP's ``CPUOffload(offload_params=True)`` moves the gradients and
+  the optimizer too. The host bytes are the component ``host``.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy as sp
+
+from ..lowering import grad_bytes, weight_bytes
+from ..plan import Alloc, Backward, Begin, End, Free, Key, Mark, Plan
+from ..requirements import Requirement
+from ..symbols import B_g, d
+
+__all__ = ["prepare", "apply", "unit_bytes"]
+
+ZERO = sp.Integer(0)
+
+
+def prepare(graph, policy):
+    return graph
+
+
+def unit_bytes(graph) -> tuple[dict, sp.Expr, dict, sp.Expr]:
+    """(weight bytes of one iteration of each repeated block by name, of the root's params,
+    gradient bytes likewise): the units ZeRO-3 and FSDP gather."""
+    units, grads, inner = {}, {}, set()
+    for rep in graph.repeats():
+        own = [p for p, _ in rep.body.params() if p.name in rep.body._params]
+        inner.update(p.name for p in own)
+        units[rep.name] = sp.expand(sum((weight_bytes(p) for p in own), ZERO))
+        grads[rep.name] = sp.expand(sum((grad_bytes(p) for p in own if p.trainable), ZERO))
+    root = [p for p, _ in graph.params() if p.name not in inner]
+    return (units, sp.expand(sum((weight_bytes(p) for p in root), ZERO)),
+            grads, sp.expand(sum((grad_bytes(p) for p in root if p.trainable), ZERO)))
+
+
+def apply(plan: Plan, graph, policy) -> Plan:
+    par = policy.parallel
+    if par.is_single or policy.mode == "inference":
+        return plan
+    if par.ddp:
+        return _ddp(plan, par)
+    return _Shard(plan, graph, policy).rewrite()
+
+
+def _ddp(plan: Plan, par) -> Plan:
+    buckets = plan.components.get("grads", ZERO)
+    if buckets == 0:
+        return plan
+    comps = dict(plan.components, grads=sp.expand(2 * buckets))
+    note = (f"DDP over dp = {par.dp}: the Reducer's buckets (gradient_as_bucket_view=False) hold a second "
+            f"copy of the gradients, {buckets}")
+    return replace(plan, states=plan.states + (Alloc(Key("ddp buckets", "all"), buckets, "grads"),),
+                   components=comps, notes=plan.notes + (note,))
+
+
+class _Shard:
+    """The rewrite of one plan for ZeRO 1-3 or FSDP."""
+
+    def __init__(self, plan: Plan, graph, policy):
+        self.plan, self.policy, self.par = plan, policy, policy.parallel
+        par = self.par
+        self.n = par.shard_degree
+        self.stage = par.stage
+        self.fsdp = par.fsdp is not None
+        #: "unit": gathered per unit in forward and in backward; "keep": gathered in forward,
+        #: whole until the unit's backward (FSDP grad-op); None: parameters never sharded
+        self.gather = "keep" if par.fsdp == "grad-op" else "unit" if self.stage == 3 else None
+        self.units, self.root, *_ = unit_bytes(graph)
+        self.bucket = ZERO if self.fsdp else sp.Integer(par.reduce_bucket) * B_g
+
+    # ----- states ---------------------------------------------------------------------------
+    def rewrite(self) -> Plan:
+        plan, par, n = self.plan, self.par, self.n
+        comps = dict(plan.components)
+        host = ZERO
+        master_grads = comps.get("master", ZERO)     # the step's float32 copy of the gradients
+        states = []
+        for e in plan.states:
+            if isinstance(e, Alloc) and e.role in ("master", "optimizer") and self.stage >= 1:
+                if par.offload_optimizer:
+                    continue
+                e = replace(e, nbytes=e.nbytes / n)
+            elif isinstance(e, Alloc) and e.role == "params" and self.gather is not None:
+                if par.offload_params:
+                    continue
+                e = replace(e, nbytes=e.nbytes / n)
+            states.append(e)
+        shard = {k: sp.expand(comps.get(k, ZERO) / n) for k in ("params", "grads", "master", "optimizer")}
+        if par.offload_optimizer:
+            host += shard["master"] + shard["optimizer"]
+            # the gradient partition the host steps with, in the master dtype (float32) when there is one
+            host += (master_grads / n) if master_grads != 0 else shard["grads"]
+            comps["master"] = comps["optimizer"] = ZERO
+        else:
+            comps["master"], comps["optimizer"] = shard["master"], shard["optimizer"]
+        if self.gather is not None:
+            comps["params"] = ZERO if par.offload_params else shard["params"]
+            host += shard["params"] if par.offload_params else 0
+        device_grads = self.stage >= 2 and not par.offload_optimizer
+        if self.stage >= 2:
+            comps["grads"] = shard["grads"] if device_grads else ZERO
+        if self.stage == 3 and not self.fsdp and device_grads:   # stage3.py: grad_partitions_flat_buffer
+            states.append(Alloc(Key("grad partition", "stage 3"), shard["grads"], "grads"))
+        if self.stage == 3 and self.bucket != 0:     # stage3.py's ipg bucket: made at initialisation
+            states.append(Alloc(Key("ipg bucket", "stage 3"), self.bucket, "transient"))
+        if host != 0:
+            comps["host"] = sp.expand(host)
+        forward = self._forward(plan.forward)
+        backward = self._backward(plan.backward, device_grads)
+        optimizer = self._optimizer(plan.optimizer)
+        requirements = plan.requirements
+        if par.fsdp == "hybrid":       # d ranks in groups of shard_size: the formulas need it to divide
+            requirements += (Requirement(sp.Integer(par.shard_size), d,
+                                         f"FSDP hybrid shards within groups of shard_size = {par.shard_size} ranks",
+                                         "divides"),)
+        note = (f"{par.describe()}: per rank, sharded over n = {n}"
+                + (f"; host {sp.expand(host)}" if host != 0 else ""))
+        return replace(plan, states=tuple(states), forward=forward, backward=backward, optimizer=optimizer,
+                       components=comps, requirements=requirements, notes=plan.notes + (note,))
+
+    # ----- forward and backward -------------------------------------------------------------
+    def _last_copies(self, events, phase):
+        """The (block, copy) run last in this phase: no unit after it to prefetch."""
+        begins = [(e.block, e.copy) for e in events if isinstance(e, Begin)]
+        return begins[-1] if begins else None
+
+    def _prefetch(self, phase: str) -> int:
+        """Units gathered ahead: DeepSpeed prefetches both ways; FSDP2 in backward only by
+        default (``FSDPState._pre_backward``'s ``default_prefetch``; forward prefetch needs
+        ``set_modules_to_forward_prefetch``)."""
+        return 0 if self.fsdp and phase == "forward" else self.par.prefetch
+
+    def _gathered(self, block: str, phase: str, last: bool) -> list:
+        """Alloc events of a unit gathered at its start, and the all-gather's moment."""
+        unit, out = self.units[block], []
+        out.append(Alloc(Key("gathered", f"{block} ({phase})"), unit, "params"))
+        if self._prefetch(phase) and not last:
+            out.append(Alloc(Key("prefetched", f"{block} ({phase})"), self._prefetch(phase) * unit, "params"))
+        if self.fsdp:     # FSDP2: the all-gather's flat output beside the copied-out parameters
+            out.append(Mark(phase, f"all-gather {block}", (("transient", unit),)))
+        return out
+
+    def _forward(self, events) -> tuple:
+        if self.gather is None:
+            return events
+        last = self._last_copies(events, "forward")
+        out = [Alloc(Key("gathered", "root"), self.root, "params")]
+        if self.fsdp:
+            out.append(Mark("forward", "all-gather root", (("transient", self.root),)))
+        current = None
+        for e in events:
+            if isinstance(e, Begin):
+                out.append(e)
+                current = (e.block, e.copy)
+                out += self._gathered(e.block, "forward", current == last)
+                continue
+            if isinstance(e, End):
+                unit = self.units[e.block]
+                if self._prefetch("forward") and current != last:
+                    out.append(Free(Key("prefetched", f"{e.block} (forward)"), self._prefetch("forward") * unit,
+                                    "params"))
+                if self.gather == "unit":
+                    out.append(Free(Key("gathered", f"{e.block} (forward)"), unit, "params"))
+                out.append(e)
+                continue
+            out.append(e)
+        return tuple(out)
+
+    def _backward(self, events, device_grads: bool) -> tuple:
+        if self.stage < 2:
+            return events
+        out, full, current = [], {}, None
+        last = self._last_copies(events, "backward")
+        if self.bucket != 0 and self.stage < 3:      # stage_1_and_2.py backward(): the ipg buffer
+            out.append(Alloc(Key("ipg bucket", "backward"), self.bucket, "transient"))
+        for e in events:
+            if isinstance(e, Begin):
+                out.append(e)
+                current = (e.block, e.copy)
+                if self.gather == "unit":
+                    out += self._gathered(e.block, "backward", current == last)
+                continue
+            if isinstance(e, End):
+                out += self._reduce(full.pop(current, []), e.block, device_grads)
+                unit = self.units[e.block]
+                if self.gather == "unit":
+                    if self._prefetch("backward") and current != last:
+                        out.append(Free(Key("prefetched", f"{e.block} (backward)"), self._prefetch("backward") * unit,
+                                        "params"))
+                    out.append(Free(Key("gathered", f"{e.block} (backward)"), unit, "params"))
+                elif self.gather == "keep":
+                    out.append(Free(Key("gathered", f"{e.block} (forward)"), unit, "params"))
+                out.append(e)
+                current = None
+                continue
+            if isinstance(e, Backward):
+                inner, made = [], []
+                for x in e.events:
+                    if isinstance(x, Alloc) and x.role == "grads":
+                        made.append(x)
+                        x = replace(x, key=Key("full grad", x.key.name, x.key.copy), role="transient")
+                    inner.append(x)
+                if self.gather is None:      # DeepSpeed ZeRO-2: into the ipg bucket as each hook fires
+                    inner += self._reduce(made, None, device_grads)
+                else:
+                    full.setdefault(current, []).extend(made)
+                e = replace(e, events=tuple(inner))
+            out.append(e)
+        tail = self._reduce(full.pop(None, []), None, device_grads)
+        if self.gather is not None:
+            tail.append(Free(Key("gathered", "root"), self.root, "params"))
+        if self.bucket != 0 and self.stage < 3:
+            tail.append(Free(Key("ipg bucket", "backward"), self.bucket, "transient"))
+        # before the loss's gradient is let go (the last event of backward)
+        cut = len(out) - 1 if out and isinstance(out[-1], Free) and out[-1].key.kind == "vgrad" else len(out)
+        return tuple(out[:cut] + tail + out[cut:])
+
+    def _reduce(self, made: list, block, device_grads: bool) -> list:
+        """The full gradients ``made`` reduce-scattered: the partition kept, the full ones freed;
+        FSDP's flat reduce-scatter input beside them first."""
+        if not made:
+            return []
+        total = sp.expand(sum((x.nbytes for x in made), ZERO))
+        out = []
+        if self.fsdp:
+            phase_node = f"reduce-scatter {block or 'root'}"
+            out.append(Mark("backward", phase_node, (("transient", total),)))
+        out += [Free(Key("full grad", x.key.name, x.key.copy), x.nbytes, "transient") for x in made]
+        if device_grads and (self.fsdp or self.stage < 3):     # ZeRO-3's partition exists from the start
+            out += [Alloc(x.key, x.nbytes / self.n, "grads") for x in made]
+        return out
+
+    # ----- the step -------------------------------------------------------------------------
+    def _optimizer(self, events) -> tuple:
+        if self.stage < 1:
+            return events
+        out = []
+        for e in events:
+            if self.par.offload_optimizer:     # the step runs on the host
+                if isinstance(e, Alloc) and e.key.kind == "master grads":
+                    continue
+                if isinstance(e, Mark):
+                    e = replace(e, extra=())
+            else:
+                if isinstance(e, Alloc) and e.key.kind == "master grads":
+                    e = replace(e, nbytes=e.nbytes / self.n)
+                elif isinstance(e, Mark) and not e.node.startswith("grad scaler"):
+                    e = replace(e, extra=tuple((r, x / self.n) for r, x in e.extra))
+            out.append(e)
+        return tuple(out)
