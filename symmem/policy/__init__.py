@@ -46,11 +46,11 @@ from .recompute import RECOMPUTE, Recompute
 from .regions import parse_regions
 from .registry import Registry
 from .parallel import Parallel
-from .slots import DEVICES, PARALLEL
+from .slots import DEVICES
 
 __all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "LoRA", "Registry",
            "Quantization", "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION",
-           "QUANTIZE", "PARALLEL", "LORA_DTYPES", "MODES", "CACHES",
+           "QUANTIZE", "LORA_DTYPES", "MODES", "CACHES",
            "Parallel"]
 
 
