@@ -90,8 +90,8 @@ def test_training_techniques_refused(kwargs, key):
 def test_unknown_mode_and_cache():
     with pytest.raises(UnknownName):
         sm.Policy(mode="serving")
-    with pytest.raises(UnknownName):           # StaticCache and QuantizedCache: not modelled
-        sm.Policy(mode="inference", cache="static")
+    with pytest.raises(UnknownName):           # QuantizedCache: not modelled
+        sm.Policy(mode="inference", cache="quantized")
 
 
 def test_sliding_window_requirement():
@@ -162,3 +162,81 @@ def test_unchecked_families_refused():
     with pytest.raises(ConfigError) as err:
         sm.estimate(graph, sm.Policy(device="cpu", mode="inference"))
     assert "offset_ids" in str(err.value) and "--mode training" in str(err.value)
+
+
+def static(precision="bf16", max_cache_len=None, **kw):
+    graph = sm.models.from_hf_config({**LLAMA, **kw.pop("config", {})})
+    return sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", cache="static",
+                                        max_cache_len=max_cache_len, **kw))
+
+
+def test_static_cache_formula():
+    """A StaticCache preallocates max_cache_len = s + n_g positions (generate's default) and
+    each layer's 8-byte counter: 2 L b k (s + n_g) d B_a + 8 L, as the dynamic cache's after
+    the decoding step, plus the counters."""
+    est = static()
+    assert sp.expand(est.components["cache"] - 2 * L * b * k * (s + n_g) * (h / a) * B_a - 8 * L) == 0
+    # 2 * 2 layers * b 3 * k 2 * 15 positions * d 16 * 2 bytes + 8 * 2 = 11,520 + 16
+    assert est.at(b=3, s=10, n_g=5).bytes["cache"] == 11_536
+
+
+def test_static_cache_fixed_length():
+    """A fixed max_cache_len: the cache no longer grows with n_g, and s + n_g must fit in it."""
+    est = static(max_cache_len=64)
+    # 2 * 2 * b 3 * k 2 * 64 * 16 * 2 + 16 = 49,168 whatever s and n_g
+    assert est.at(b=3, s=10, n_g=5).bytes["cache"] == est.at(b=3, s=20, n_g=44).bytes["cache"] == 49_168
+    # the decoding step writes in place: its peak does not depend on n_g either
+    assert est.at(b=3, s=10, n_g=5).peak == est.at(b=3, s=10, n_g=50).peak
+    with pytest.raises(ConfigError) as err:
+        est.at(b=3, s=20, n_g=45)
+    assert "max_cache_len" in str(err.value)
+
+
+def test_static_decode_is_flat_dynamic_grows():
+    """The static cache exists whole before the decoding step; the dynamic one holds two
+    copies of a layer's keys while torch.cat makes the longer one."""
+    dyn, sta = estimate(), static()
+    assert sta.at(b=2, s=8, n_g=3).bytes["cache"] == dyn.at(b=2, s=8, n_g=3).bytes["cache"] + 16
+
+
+@pytest.mark.parametrize("kwargs,field,words", [
+    (dict(max_cache_len=0), "max_cache_len", "a whole number of positions >= 1"),
+    (dict(max_cache_len="64"), "max_cache_len", "a whole number of positions >= 1"),
+])
+def test_static_cache_bad_length(kwargs, field, words):
+    with pytest.raises(ConfigError) as err:
+        sm.Policy(mode="inference", cache="static", **kwargs)
+    assert err.value.field == field and words in str(err.value)
+
+
+def test_max_cache_len_needs_static():
+    with pytest.raises(ConfigError) as err:
+        sm.Policy(mode="inference", max_cache_len=64)
+    assert "--cache static" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        sm.Policy(cache="static")
+    assert "--mode inference" in str(err.value)
+
+
+def test_static_cache_refusals():
+    """A sliding window (StaticSlidingWindowLayer) and SDPA on CUDA are not modelled."""
+    with pytest.raises(ConfigError) as err:
+        static(config={"model_type": "mistral", "sliding_window": 16})
+    assert "StaticSlidingWindowLayer" in str(err.value) and "--cache dynamic" in str(err.value)
+    graph = sm.models.from_hf_config(LLAMA)
+    with pytest.raises(ConfigError) as err:
+        sm.estimate(graph, sm.Policy("bf16", device="cuda", mode="inference", cache="static", attention="sdpa"))
+    assert "--attention eager" in str(err.value)
+    sm.estimate(graph, sm.Policy("bf16", device="cuda", mode="inference", cache="static", attention="eager"))
+
+
+def test_cli_infer_static(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA))
+    code, out, _ = run(capsys, "infer", "--config", cfg, "--batch", 3, "--seq", 10, "--new-tokens", 5,
+                       "--precision", "bf16", "--device", "cpu", "--format", "json", "--cache", "static",
+                       "--max-cache-len", 64)
+    assert code == 0, out
+    j = json.loads(out)
+    assert j["bytes"]["cache"] == 49_168          # as in test_static_cache_fixed_length
+    assert (j["inputs"]["cache"], j["inputs"]["max_cache_len"]) == ("static", 64)

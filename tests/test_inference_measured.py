@@ -41,15 +41,23 @@ def hf_model(family, point, attention):
     return cfg, model_class(cfg).eval()
 
 
-def measure_generation(model, precision, ids, n_g, V):
+def measure_generation(model, precision, ids, n_g, V, static=None):
     """(prefill report, decoding-step report, cache bytes after it): the prompt ``ids``, then
-    n_g - 1 untracked decoding steps, then the tracked one (the cache then holds s + n_g)."""
-    cache = transformers.DynamicCache(config=model.config)
+    n_g - 1 untracked decoding steps, then the tracked one (the cache then holds s + n_g).
+    ``static``: a StaticCache of that many positions instead of a DynamicCache; its layers'
+    ``cumulative_length`` counters (made by ``StaticCache()``, before the prefill) are part of it."""
+    if static:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=static)
+    else:
+        cache = transformers.DynamicCache(config=model.config)
+
+    def counters():
+        return [x.cumulative_length for x in cache.layers] if static else []
 
     def forward(x):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             return model(x, cache=cache, use_cache=True).logits
-    prefill, out = inference_pass(model, lambda: forward(ids), extra=(ids,))
+    prefill, out = inference_pass(model, lambda: forward(ids), extra=lambda: (ids, counters()))
     del out
     b = ids.shape[0]
     for _ in range(n_g - 1):
@@ -59,19 +67,21 @@ def measure_generation(model, precision, ids, n_g, V):
     # the cache's tensors handed over by a function: a list made in the call would keep the
     # previous keys and values alive through it
     decode, out = inference_pass(model, lambda: forward(nxt),
-                                 extra=lambda: (nxt, [x.keys for x in cache.layers], [x.values for x in cache.layers]))
+                                 extra=lambda: (nxt, [x.keys for x in cache.layers], [x.values for x in cache.layers],
+                                                counters()))
     del out
     cached = sum(x.keys.untyped_storage().nbytes() + x.values.untyped_storage().nbytes() for x in cache.layers)
+    cached += sum(x.untyped_storage().nbytes() for x in counters())
     return prefill, decode, cached
 
 
-def assert_generation_exact(est, model, precision, b, s, n_g, V):
+def assert_generation_exact(est, model, precision, b, s, n_g, V, static=None):
     """The prefill's and the decoding step's peaks, each phase's own maximum over the estimate's
     timeline, and the cache, to the byte."""
     if b == 1:                  # b = 1 reshapes some copies into views (Estimate.at_one)
         est = est.at_one
     ids = torch.randint(0, V, (b, s))
-    prefill, decode, cached = measure_generation(model, precision, ids, n_g, V)
+    prefill, decode, cached = measure_generation(model, precision, ids, n_g, V, static)
     subs = est._subs({"b": b, "s": s, "n_g": n_g})
     predicted = {step: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == step)
                  for step in ("prefill", "decode")}
@@ -107,3 +117,34 @@ def test_generation_exact(family, point, attention, precision, n_g):
     assert ev.bytes["params"] == param_bytes(model)
     assert (ev.bytes["grads"], ev.bytes["optimizer"], ev.bytes["master"], ev.bytes["activations"]) == (0, 0, 0, 0)
     assert_generation_exact(est, model, precision, b, s, n_g, V)
+
+
+# (family, point, attention, precision, n_g, max_cache_len: None for s + n_g, as generate sets it)
+STATIC = [
+    ("llama", POINTS[0], "eager", "fp32", 3, None),
+    ("llama", POINTS[0], "sdpa", "fp32", 3, None),        # the decoding step's boolean mask, its float copy
+    ("llama", POINTS[1], "eager", "bf16", 2, 20),          # 6 positions preallocated beyond s + n_g
+    ("llama", POINTS[2], "sdpa", "bf16-mixed", 2, None),   # b = 1, multi-query
+    ("qwen2", POINTS[0], "sdpa", "bf16-mixed", 2, 16),
+]
+
+
+@pytest.mark.parametrize("family,point,attention,precision,n_g,max_len", STATIC,
+                         ids=[f"{fam}-b{p[0]}-s{p[1]}-k{p[5]}-{at}-{pr}-n{n}-T{t}" for fam, p, at, pr, n, t in STATIC])
+def test_static_cache_exact(family, point, attention, precision, n_g, max_len):
+    """transformers' StaticCache: the whole (b, k, T, d) keys and values allocated at the
+    prefill's first update of each layer, written in place by the decoding step; attention
+    over all T = max_cache_len positions (s + n_g by default)."""
+    b, s, h, f, a, k, L, V = point
+    cfg, model = hf_model(family, point, attention)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
+    est = sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", cache="static",
+                                       max_cache_len=max_len))
+    T = max_len or s + n_g
+    # keys and values of T positions in each layer, and each layer's 8-byte counter; under
+    # autocast the keys are float32 (rotated by float32 cos and sin), the values bfloat16
+    B_k, B_v = {"fp32": (4, 4), "bf16": (2, 2), "bf16-mixed": (4, 2)}[precision]
+    assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == L * b * k * T * (h // a) * (B_k + B_v) + 8 * L
+    assert_generation_exact(est, model, precision, b, s, n_g, V, static=T)

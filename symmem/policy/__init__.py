@@ -80,6 +80,8 @@ class Policy:
     parallel: str = "none"
     mode: str = "training"
     cache: str = "dynamic"
+    #: a StaticCache's positions (None: s + n_g, as generate sets it)
+    max_cache_len: int | None = None
     #: the inference step a plan is lowered for (set by the engine, not a choice)
     step: str = field(default="prefill", repr=False)
     #: derive the step at b = 1 (set by :attr:`symmem.engine.Estimate.at_one`, not a choice)
@@ -108,7 +110,7 @@ class Policy:
                               "cast whole to one dtype has no float32 weights to run them in.")
         if self.mode == "inference":
             self._check_inference()
-        elif self.cache != "dynamic":
+        elif self.cache != "dynamic" or self.max_cache_len is not None:
             raise ConfigError("cache", self.cache, "a KV cache to size (--mode inference)",
                               "Give --mode inference too, or leave --cache out.")
         if self.prec.fp8:
@@ -125,6 +127,14 @@ class Policy:
         adapters, quantization, float32 regions or FP8."""
         if self.step not in ("prefill", "decode"):
             raise ConfigError("step", self.step, "prefill or decode")
+        n = self.max_cache_len
+        if n is not None:
+            if self.cache != "static":
+                raise ConfigError("max_cache_len", n, "a static cache to size (--cache static)",
+                                  "Give --cache static too, or leave --max-cache-len out.")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError("max_cache_len", n, "a whole number of positions >= 1",
+                                  "Leave it out for s + n_g, the length generate preallocates.")
         if self.prec.fp8:
             raise ConfigError("precision with --mode inference", self.precision,
                               "fp32, bf16, fp16, bf16-mixed or fp16-mixed",
@@ -192,6 +202,15 @@ class Policy:
     def ctx(self) -> Ctx:
         return replace(self.prec.ctx(self.device), batch_one=self.batch_one, no_grad=self.mode == "inference")
 
+    def _inference_precision(self) -> str:
+        """The precision in words for inference: no gradient, optimizer state or scaler."""
+        p = self.prec
+        if p.autocast:
+            return (f"torch.autocast(dtype=torch.{p.compute}): float32 weights; {p.compute} activations where "
+                    f"autocast casts, and cached {p.compute} copies of the weights during forward")
+        return (f"model.to(torch.{p.compute}): " if p.compute != "float32" else "") + \
+            f"weights and activations in {p.compute}"
+
     def bindings(self) -> dict:
         """Numbers for the byte symbols (optimizer states in the dtype of what they step), and
         the LoRA rank ``r`` where it is a number."""
@@ -202,8 +221,9 @@ class Policy:
         beside it (``attention sdpa (flash)``)."""
         att = self.attention + (f" ({', '.join(kernels)})" if self.attention == "sdpa" and kernels else "")
         if self.mode == "inference":
-            return (f"inference with a {self.cache} KV cache (prefill and one decoding step, torch.no_grad); "
-                    f"{self.precision} ({self.prec.description}); device {self.device}; attention {att}")
+            cache = self.cache + (f", max_cache_len {self.max_cache_len}" if self.max_cache_len is not None else "")
+            return (f"inference with a {cache} KV cache (prefill and one decoding step, torch.no_grad); "
+                    f"{self.precision} ({self._inference_precision()}); device {self.device}; attention {att}")
         out = (f"{self.precision} ({self.prec.description}); {self.optimizer} "
                f"[{self.impl}] ({self.opt.description}); device {self.device}; attention {att}")
         if self.recompute.mode != "none":
@@ -263,4 +283,6 @@ PARTS = (
     Part("parallel", "--parallel", PARALLEL, "NAME", "the parallel layout"),
     Part("mode", "--mode", MODES, "NAME", "a training step, or inference (generation with a KV cache)"),
     Part("cache", "--cache", CACHES, "NAME", "the KV cache's kind (--mode inference)"),
+    Part("max_cache_len", "--max-cache-len", None, "N",
+         "the positions a static cache preallocates (--cache static; default s + n_g, as generate sets it)"),
 )

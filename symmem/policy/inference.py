@@ -15,3 +15,6 @@ MODES.register(Choice("inference", "generation under torch.no_grad with a KV cac
 CACHES = Registry("KV cache")
 CACHES.register(Choice("dynamic", "transformers' DynamicCache (generate's default): each layer's keys and "
                                   "values concatenated step by step, torch.cat making the longer copy"))
+CACHES.register(Choice("static", "transformers' StaticCache: each layer's keys and values preallocated for "
+                                 "max_cache_len positions (s + n_g unless --max-cache-len) at the first update and "
+                                 "written in place; attention runs over all max_cache_len positions"))
