@@ -240,3 +240,26 @@ def test_cli_infer_static(capsys, tmp_path):
     j = json.loads(out)
     assert j["bytes"]["cache"] == 49_168          # as in test_static_cache_fixed_length
     assert (j["inputs"]["cache"], j["inputs"]["max_cache_len"]) == ("static", 64)
+
+
+def test_regions_in_inference(est):
+    """Estimate.regions in inference: n_g a value by keyword, else an error naming it."""
+    with pytest.raises(ConfigError) as err:
+        est.regions(b_max=64, points=5)
+    assert "n_g" in str(err.value) and "regions(..., n_g=...)" in str(err.value)
+    regions = est.regions(b_max=64, points=5, n_g=16)
+    assert {r.point.phase for r in regions} <= {"prefill", "decode"}
+    assert sum(r.share for r in regions) == pytest.approx(1)
+    # each region's winner is the largest candidate at a grid point inside it
+    for r in regions:
+        at = est._subs({"b": r.b[0], "s": r.s[0], "n_g": 16})
+        assert int(r.point.total.xreplace(at)) == max(int(t.xreplace(at)) for t in est.totals)
+
+
+def test_describe_inference():
+    """The inference policy in words: nothing of gradients, optimizer states or scalers."""
+    for precision in ("fp32", "bf16", "bf16-mixed", "fp16-mixed"):
+        text = sm.Policy(precision, mode="inference").describe()
+        assert not any(w in text for w in ("gradient", "optimizer", "GradScaler")), text
+    assert "static, max_cache_len 64 KV cache" in sm.Policy(mode="inference", cache="static",
+                                                              max_cache_len=64).describe()

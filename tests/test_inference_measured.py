@@ -148,3 +148,10 @@ def test_static_cache_exact(family, point, attention, precision, n_g, max_len):
     B_k, B_v = {"fp32": (4, 4), "bf16": (2, 2), "bf16-mixed": (4, 2)}[precision]
     assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == L * b * k * T * (h // a) * (B_k + B_v) + 8 * L
     assert_generation_exact(est, model, precision, b, s, n_g, V, static=T)
+
+
+def test_inference_pass_without_tensors():
+    """A module with no parameters or buffers and no extra tensors: nothing registered before
+    the call (3 float32 elements = 12 bytes made by it, still referenced at the end)."""
+    report, out = inference_pass(torch.nn.Identity(), lambda: torch.ones(3))
+    assert (report.at_start, report.peak, report.at_end) == (0, 12, 12)
