@@ -315,7 +315,7 @@ def policy_inputs(policy: Policy) -> dict:
     out["quantize_skip"] = list(policy.quantize_skip) if policy.quantize_skip else None
     out["implementation_resolved"] = policy.impl
     if policy.mode != "inference":      # the KV cache's kind means nothing to a training step
-        del out["cache"]
+        del out["cache"], out["logits"]
     if policy.cache != "static":        # nor a static cache's length to another cache
         del out["max_cache_len"]
     return out

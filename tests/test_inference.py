@@ -263,3 +263,28 @@ def test_describe_inference():
         assert not any(w in text for w in ("gradient", "optimizer", "GradScaler")), text
     assert "static, max_cache_len 64 KV cache" in sm.Policy(mode="inference", cache="static",
                                                               max_cache_len=64).describe()
+
+
+def test_logits_last_by_default():
+    """generate's logits_to_keep=1: the prefill's output head makes (b, 1, V) logits; with
+    logits="all" it makes (b, s, V). With a vocabulary of 4,096 the prefill's peak is at its
+    logits, (s - 1) b V B_a bytes fewer with the last position's only."""
+    graph = sm.models.from_hf_config({**LLAMA, "vocab_size": 4096})
+    last, full = (sm.estimate(graph, sm.Policy("bf16", device="cpu", mode="inference", logits=lg))
+                  for lg in ("last", "all"))
+    assert "prefill's logits: last position" in last.policy.describe()
+    at = dict(b=2, s=64, n_g=1)
+    assert last.at(**at).bytes["cache"] == full.at(**at).bytes["cache"]
+    assert full.at(**at).peak_point.node == "lm_head"
+    assert last.at(**at).peak < full.at(**at).peak
+
+    def head(est):             # the prefill's moment at its output head
+        (p,) = [p for p in est.timeline if p.phase == "prefill" and p.node == "lm_head"]
+        return int(p.total.xreplace(est._subs(at)))
+    # 63 positions fewer: 63 * b 2 * V 4096 * 2 bytes = 1,032,192
+    assert head(full) - head(last) == 63 * 2 * 4096 * 2 == 1_032_192
+    with pytest.raises(ConfigError) as err:
+        sm.Policy(logits="all")
+    assert "--mode inference" in str(err.value)
+    with pytest.raises(UnknownName):
+        sm.Policy(mode="inference", logits="first")

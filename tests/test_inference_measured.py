@@ -41,11 +41,14 @@ def hf_model(family, point, attention):
     return cfg, model_class(cfg).eval()
 
 
-def measure_generation(model, precision, ids, n_g, V, static=None):
+def measure_generation(model, precision, ids, n_g, V, static=None, logits="last"):
     """(prefill report, decoding-step report, cache bytes after it): the prompt ``ids``, then
     n_g - 1 untracked decoding steps, then the tracked one (the cache then holds s + n_g).
     ``static``: a StaticCache of that many positions instead of a DynamicCache; its layers'
-    ``cumulative_length`` counters (made by ``StaticCache()``, before the prefill) are part of it."""
+    ``cumulative_length`` counters (made by ``StaticCache()``, before the prefill) are part of it.
+    ``logits``: ``last`` calls the model with ``logits_to_keep=1``, as ``generate`` does; ``all``
+    without it (every position's logits)."""
+    keep = 1 if logits == "last" else 0
     if static:
         cache = transformers.StaticCache(config=model.config, max_cache_len=static)
     else:
@@ -56,7 +59,7 @@ def measure_generation(model, precision, ids, n_g, V, static=None):
 
     def forward(x):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(x, cache=cache, use_cache=True).logits
+            return model(x, cache=cache, use_cache=True, logits_to_keep=keep).logits
     prefill, out = inference_pass(model, lambda: forward(ids), extra=lambda: (ids, counters()))
     del out
     b = ids.shape[0]
@@ -75,13 +78,13 @@ def measure_generation(model, precision, ids, n_g, V, static=None):
     return prefill, decode, cached
 
 
-def assert_generation_exact(est, model, precision, b, s, n_g, V, static=None):
+def assert_generation_exact(est, model, precision, b, s, n_g, V, static=None, logits="last"):
     """The prefill's and the decoding step's peaks, each phase's own maximum over the estimate's
     timeline, and the cache, to the byte."""
     if b == 1:                  # b = 1 reshapes some copies into views (Estimate.at_one)
         est = est.at_one
     ids = torch.randint(0, V, (b, s))
-    prefill, decode, cached = measure_generation(model, precision, ids, n_g, V, static)
+    prefill, decode, cached = measure_generation(model, precision, ids, n_g, V, static, logits)
     subs = est._subs({"b": b, "s": s, "n_g": n_g})
     predicted = {step: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == step)
                  for step in ("prefill", "decode")}
@@ -119,19 +122,21 @@ def test_generation_exact(family, point, attention, precision, n_g):
     assert_generation_exact(est, model, precision, b, s, n_g, V)
 
 
-# (family, point, attention, precision, n_g, max_cache_len: None for s + n_g, as generate sets it)
+# (family, point, attention, precision, n_g, max_cache_len: None for s + n_g, as generate sets
+# it, the prefill's logits)
 STATIC = [
-    ("llama", POINTS[0], "eager", "fp32", 3, None),
-    ("llama", POINTS[0], "sdpa", "fp32", 3, None),        # the decoding step's boolean mask, its float copy
-    ("llama", POINTS[1], "eager", "bf16", 2, 20),          # 6 positions preallocated beyond s + n_g
-    ("llama", POINTS[2], "sdpa", "bf16-mixed", 2, None),   # b = 1, multi-query
-    ("qwen2", POINTS[0], "sdpa", "bf16-mixed", 2, 16),
+    ("llama", POINTS[0], "eager", "fp32", 3, None, "all"),
+    ("llama", POINTS[0], "sdpa", "fp32", 3, None, "last"),        # the decoding step's boolean mask, its float copy
+    ("llama", POINTS[1], "eager", "bf16", 2, 20, "last"),          # 6 positions preallocated beyond s + n_g
+    ("llama", POINTS[2], "sdpa", "bf16-mixed", 2, None, "all"),    # b = 1, multi-query
+    ("qwen2", POINTS[0], "sdpa", "bf16-mixed", 2, 16, "last"),
 ]
 
 
-@pytest.mark.parametrize("family,point,attention,precision,n_g,max_len", STATIC,
-                         ids=[f"{fam}-b{p[0]}-s{p[1]}-k{p[5]}-{at}-{pr}-n{n}-T{t}" for fam, p, at, pr, n, t in STATIC])
-def test_static_cache_exact(family, point, attention, precision, n_g, max_len):
+@pytest.mark.parametrize("family,point,attention,precision,n_g,max_len,logits", STATIC,
+                         ids=[f"{fam}-b{p[0]}-s{p[1]}-k{p[5]}-{at}-{pr}-n{n}-T{t}-{lg}"
+                              for fam, p, at, pr, n, t, lg in STATIC])
+def test_static_cache_exact(family, point, attention, precision, n_g, max_len, logits):
     """transformers' StaticCache: the whole (b, k, T, d) keys and values allocated at the
     prefill's first update of each layer, written in place by the decoding step; attention
     over all T = max_cache_len positions (s + n_g by default)."""
@@ -141,13 +146,33 @@ def test_static_cache_exact(family, point, attention, precision, n_g, max_len):
         model.to(torch.bfloat16)
     graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
     est = sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", cache="static",
-                                       max_cache_len=max_len))
+                                       max_cache_len=max_len, logits=logits))
     T = max_len or s + n_g
     # keys and values of T positions in each layer, and each layer's 8-byte counter; under
     # autocast the keys are float32 (rotated by float32 cos and sin), the values bfloat16
     B_k, B_v = {"fp32": (4, 4), "bf16": (2, 2), "bf16-mixed": (4, 2)}[precision]
     assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == L * b * k * T * (h // a) * (B_k + B_v) + 8 * L
-    assert_generation_exact(est, model, precision, b, s, n_g, V, static=T)
+    assert_generation_exact(est, model, precision, b, s, n_g, V, static=T, logits=logits)
+
+
+# a vocabulary large enough for the prefill's logits to be its peak: (b, s, h, f, a, k, L, V)
+WIDE = (2, 16, 32, 64, 4, 2, 2, 1000)
+
+
+@pytest.mark.parametrize("family,attention,precision", [("llama", "eager", "bf16-mixed"), ("gpt2", "sdpa", "fp32")])
+def test_logits_to_keep(family, attention, precision):
+    """generate's logits_to_keep=1 against every position's logits: the prefill's and the
+    decoding step's peaks measured both ways, exact."""
+    b, s, h, f, a, k, L, V = WIDE
+    cfg, model = hf_model(family, WIDE, attention)
+    graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
+    peaks = {}
+    for logits in ("last", "all"):
+        est = sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", logits=logits))
+        assert_generation_exact(est, model, precision, b, s, 1, V, logits=logits)
+        peaks[logits] = est.at(b=b, s=s, n_g=1).peak
+    # both measured exact above; the last position's logits make the prefill smaller
+    assert peaks["last"] < peaks["all"]
 
 
 def test_inference_pass_without_tensors():

@@ -3,8 +3,10 @@
 ``Policy(mode="inference")`` (``symmem infer``) asks for the memory of text generation with
 a KV cache, as transformers' ``generate`` runs a causal LM under ``torch.no_grad``:
 
-- **prefill**: the prompt's forward, ``model(input_ids, cache=cache, use_cache=True)`` on
-  (b, s) token ids; each layer appends its keys and values (s positions) to the cache;
+- **prefill**: the prompt's forward, ``model(input_ids, cache=cache, use_cache=True,
+  logits_to_keep=1)`` on (b, s) token ids; each layer appends its keys and values (s
+  positions) to the cache; the output head projects the last position only, as ``generate``
+  asks (``policy.logits="all"``: every position, without ``logits_to_keep``);
 - **decode**: one decoding step, ``model(next_ids, cache=cache)`` on (b, 1) ids with s + n_g - 1
   positions cached, after which the cache holds s + n_g (the step that feeds the n_g-th
   generated token; every earlier step has a shorter cache, so this one is the largest).
@@ -220,6 +222,8 @@ def step_graph(graph: Graph, step: str, policy=None) -> Graph:
     # SDPA gets a materialised boolean mask in a static cache's decoding step
     sdpa_mask = static and step == "decode" and kernel != "eager"
     out = _rebuilt(g, subs, length, None, static, sdpa_mask)
+    if step == "prefill" and (policy is None or policy.logits == "last"):
+        _last_position_logits(out)
     windows = {n.attr("window") for x in out.graphs() for n in x.items
                if isinstance(n, Node) and n.op == "attention" and n.attr("window") is not None}
     if static and windows:
@@ -238,6 +242,29 @@ def step_graph(graph: Graph, step: str, policy=None) -> Graph:
         if r.lhs == s and r.kind == "at most":
             out.require(s + n_g, r.rhs, r.reason)
     return out
+
+
+def _last_position_logits(g: Graph) -> None:
+    """``generate``'s ``logits_to_keep=1``: the output head (the last top-level linear node the
+    forward returns) reads the last position of its input (``last_position``, a view) and makes
+    (b, 1, V) logits."""
+    heads = [i for i, n in enumerate(g.items) if isinstance(n, Node) and n.op == "linear" and n.name in g.outputs]
+    if not heads:
+        raise ConfigError("logits", "last", "a causal LM whose forward returns its output head's logits",
+                          "Use --logits all for this model.")
+    i = heads[-1]
+    head = g.items[i]
+    x = head.inputs[0]
+    xs = g._lookup_shape(x)
+    name = f"{head.name}/last_position"
+    last = Node(name, "last_position", (x,), shape=(xs[0], sp.Integer(1), *xs[2:]))
+    new = replace(head, inputs=(name, *head.inputs[1:]), shape=(head.shape[0], sp.Integer(1), *head.shape[2:]))
+    if any(head.name in n.inputs for n in g.items[i + 1:] if isinstance(n, Node)):
+        raise ConfigError("logits", "last", "a model whose logits are returned as the output head makes them",
+                          f"{g.name!r} computes on its logits after {head.name!r}: use --logits all.")
+    g.items[i:i + 1] = [last, new]
+    g._shapes[name], g._shapes[head.name] = last.shape, new.shape
+    g._taken.add(name)
 
 
 def _without_loss(graph: Graph) -> Graph:

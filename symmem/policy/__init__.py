@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..rules import Ctx
 from .adapters import LORA_DTYPES, LoRA
 from .attention import ATTENTION
-from .inference import CACHES, MODES
+from .inference import CACHES, LOGITS, MODES
 from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
 from .quantize import QUANTIZE, Quantization
@@ -47,7 +47,7 @@ from .slots import DEVICES, PARALLEL
 
 __all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "LoRA", "Registry",
            "Quantization", "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION",
-           "QUANTIZE", "PARALLEL", "LORA_DTYPES", "MODES", "CACHES"]
+           "QUANTIZE", "PARALLEL", "LORA_DTYPES", "MODES", "CACHES", "LOGITS"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,8 @@ class Policy:
     cache: str = "dynamic"
     #: a StaticCache's positions (None: s + n_g, as generate sets it)
     max_cache_len: int | None = None
+    #: the prefill's logits: the last position's (generate's logits_to_keep=1) or all
+    logits: str = "last"
     #: the inference step a plan is lowered for (set by the engine, not a choice)
     step: str = field(default="prefill", repr=False)
     #: derive the step at b = 1 (set by :attr:`symmem.engine.Estimate.at_one`, not a choice)
@@ -110,6 +112,10 @@ class Policy:
                               "cast whole to one dtype has no float32 weights to run them in.")
         if self.mode == "inference":
             self._check_inference()
+        elif self.logits != "last":
+            raise ConfigError("logits", self.logits, "the prefill's logits to size (--mode inference)",
+                              "Give --mode inference too, or leave --logits out: a training step's logits "
+                              "cover every position.")
         elif self.cache != "dynamic" or self.max_cache_len is not None:
             raise ConfigError("cache", self.cache, "a KV cache to size (--mode inference)",
                               "Give --mode inference too, or leave --cache out.")
@@ -222,7 +228,8 @@ class Policy:
         att = self.attention + (f" ({', '.join(kernels)})" if self.attention == "sdpa" and kernels else "")
         if self.mode == "inference":
             cache = self.cache + (f", max_cache_len {self.max_cache_len}" if self.max_cache_len is not None else "")
-            return (f"inference with a {cache} KV cache (prefill and one decoding step, torch.no_grad); "
+            return (f"inference with a {cache} KV cache (prefill and one decoding step, torch.no_grad; the "
+                    f"prefill's logits: {'last position' if self.logits == 'last' else 'every position'}); "
                     f"{self.precision} ({self._inference_precision()}); device {self.device}; attention {att}")
         out = (f"{self.precision} ({self.prec.description}); {self.optimizer} "
                f"[{self.impl}] ({self.opt.description}); device {self.device}; attention {att}")
@@ -283,6 +290,8 @@ PARTS = (
     Part("parallel", "--parallel", PARALLEL, "NAME", "the parallel layout"),
     Part("mode", "--mode", MODES, "NAME", "a training step, or inference (generation with a KV cache)"),
     Part("cache", "--cache", CACHES, "NAME", "the KV cache's kind (--mode inference)"),
+    Part("logits", "--logits", LOGITS, "NAME",
+         "the prefill's logits (--mode inference): last (generate's logits_to_keep=1) or all positions"),
     Part("max_cache_len", "--max-cache-len", None, "N",
          "the positions a static cache preallocates (--cache static; default s + n_g, as generate sets it)"),
 )
