@@ -1,4 +1,4 @@
-"""Inference against Hugging Face's own causal LMs (Llama, Qwen2, Mistral, GPT-2) on the CPU: the prefill of a prompt and one
+"""Inference against Hugging Face's own causal LMs (Llama, Qwen2, Mistral, GPT-2, GPT-NeoX) on the CPU: the prefill of a prompt and one
 decoding step with transformers' ``DynamicCache``, under ``torch.no_grad`` (random weights,
 small configs, no download). Each case checks, to the byte, the peak of the prefill, the peak
 of the decoding step and the KV cache after it, measured by
@@ -30,6 +30,11 @@ CLASSES = {
 def hf_model(family, point, attention):
     b, s, h, f, a, k, L, V = point
     torch.manual_seed(0)
+    if family == "gpt_neox":    # multi-head, a quarter of each head rotated, parallel residual: k unused
+        cfg = transformers.GPTNeoXConfig(hidden_size=h, intermediate_size=f, num_attention_heads=a,
+                                         num_hidden_layers=L, vocab_size=V, max_position_embeddings=64,
+                                         rotary_pct=0.25, attn_implementation=attention)
+        return cfg, transformers.GPTNeoXForCausalLM(cfg).eval()
     if family == "gpt2":        # multi-head, its own MLP width (4h): k and f unused
         cfg = transformers.GPT2Config(n_embd=h, n_head=a, n_layer=L, vocab_size=V, n_positions=64,
                                       attn_implementation=attention)
@@ -104,6 +109,9 @@ CASES = [
     ("mistral", POINTS[1], "sdpa", "bf16", 2),
     ("gpt2", POINTS[0], "eager", "fp32", 3),       # dropout 0.1 in training, off in eval
     ("gpt2", POINTS[2], "sdpa", "bf16-mixed", 2),
+    # the attention's and the MLP's arguments (the layer norms' outputs) live until each returns
+    ("gpt_neox", POINTS[0], "eager", "fp32", 3),
+    ("gpt_neox", POINTS[0], "sdpa", "bf16-mixed", 2),
 ]
 
 
