@@ -90,8 +90,11 @@ def test_training_techniques_refused(kwargs, key):
 def test_unknown_mode_and_cache():
     with pytest.raises(UnknownName):
         sm.Policy(mode="serving")
-    with pytest.raises(UnknownName):           # QuantizedCache: not modelled
+    with pytest.raises(UnknownName):
+        sm.Policy(mode="inference", cache="paged")
+    with pytest.raises(ConfigError) as err:    # QuantizedCache: not modelled, with the reason
         sm.Policy(mode="inference", cache="quantized")
+    assert err.value.field == "cache" and "quanto or HQQ" in str(err.value) and "--cache static" in str(err.value)
 
 
 def test_sliding_window_requirement():

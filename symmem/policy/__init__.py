@@ -90,6 +90,13 @@ class Policy:
     batch_one: bool = field(default=False, repr=False)
 
     def __post_init__(self):
+        if str(self.cache).lower() == "quantized":      # a name users reach for: refused with the reason
+            raise ConfigError("cache", self.cache, "dynamic or static",
+                              "transformers' QuantizedCache keeps keys and values packed by the quanto or HQQ "
+                              "library (integers, scales and zero points in that library's layout) or in FP8 "
+                              "per tensor, beside a residual of full-precision positions: not modelled, since its "
+                              "bytes cannot be stated from transformers' code alone and neither backend is "
+                              "measured. Use --cache dynamic or --cache static.")
         for part in PARTS:
             if part.registry is not None:     # canonical names: "AdamW" is "adamw"
                 object.__setattr__(self, part.field, part.registry.lookup(getattr(self, part.field)).name)
