@@ -65,8 +65,10 @@ __all__ = ["prepare", "apply", "step_graph", "cache_nodes", "cache_bytes", "CACH
 CACHE_HOLDER = "kv cache"
 #: The operators of the families whose generation is measured exact (Llama, Qwen2, Mistral,
 #: GPT-2, GPT-NeoX: ``tests/test_inference_measured.py``); a model with any other is refused
-#: (OPT: its positions' ``cumsum`` over a 2-D mask of every position seen, measured 2,048 bytes
-#: below the prefill's formula and 240 above the decoding step's at b = 2, s = 8: not explained yet).
+#: (OPT, measured at b = 2, s = 8, h = 32, n_g = 3: the prefill 2,048 bytes, one (b, s, h) float32
+#: tensor, below its formula, not explained yet; the decoding step 240 above, its positions made
+#: from ``torch.ones(b, past + 1)`` and an int64 ``cumsum`` over every position seen, which the
+#: graph has for the step's one column).
 CHECKED_OPS = frozenset({
     "add", "attention", "carry", "causal_mask", "dropout", "embedding", "gelu", "gelu_new", "heads", "input",
     "layer_norm", "linear", "log_softmax", "merge_heads", "mul", "nll_loss", "pad_labels", "position_embedding",
