@@ -130,7 +130,7 @@ def _policy_options(p):
     for part in PARTS:
         names = f": {' | '.join(part.registry.names())}" if part.registry is not None else ""
         p.add_argument(part.option, dest=part.field, metavar=part.metavar, default=part.default,
-                       type=int if part.field == "accumulate" else str,
+                       type=int if part.field in ("accumulate", "max_cache_len") else str,
                        help=f"{part.help}{names} (default: {part.default})".replace("%", "%%"))
     _parallel_options(p)
 
@@ -356,7 +356,9 @@ def policy_inputs(policy: Policy) -> dict:
     out["quantize_skip"] = list(policy.quantize_skip) if policy.quantize_skip else None
     out["implementation_resolved"] = policy.impl
     if policy.mode != "inference":      # the KV cache's kind means nothing to a training step
-        del out["cache"]
+        del out["cache"], out["logits"]
+    if policy.cache != "static":        # nor a static cache's length to another cache
+        del out["max_cache_len"]
     return out
 
 
@@ -765,6 +767,7 @@ def _policy_entries(part) -> list[tuple[str, str]]:
                               ("first:N, last:N", "the first or last N layers of the repeated block")],
             "keep_fp32": [("NAMES", "module names (lm_head, attn: every operator of the module)"),
                           ("first:N, last:N", "the first or last N layers of the repeated block")],
+            "max_cache_len": [("N", "positions a static cache preallocates (default: s + n_g)")],
             }[part.field]
 
 

@@ -278,7 +278,11 @@ class Estimate:
         axis = [np.unique(np.round(np.logspace(0, np.log2(n), points, base=2)).astype(np.int64)) for n in (b_max, top)]
         grid_b, grid_s = np.meshgrid(*axis, indexing="ij")
         at = {**self.bindings, **{symbol(k): sp.Integer(v) for k, v in fixed.items()}}
-        f = [sp.lambdify([b, s], t.xreplace(at), "numpy") for t in self.totals]
+        totals = [t.xreplace(at) for t in self.totals]
+        rest = sp.Add(*[x for x in set().union(*(t.free_symbols for t in totals)) - {b, s}])
+        if rest != 0:         # inference's n_g, an encoder-decoder's s_d: a value each, by keyword
+            raise _unbound(rest, "the peak's candidates beside b and s (regions(..., n_g=...))")
+        f = [sp.lambdify([b, s], t, "numpy") for t in totals]
         values = np.array([np.broadcast_to(fn(grid_b, grid_s), grid_b.shape).astype(float) for fn in f])
         win = values.argmax(axis=0)
         out = []

@@ -619,7 +619,8 @@ def inference_pass(module: torch.nn.Module, fn: Callable[[], Any], *, extra: Any
     tracker = _LiveTracker(device)
     for t in _tensors([module, extra() if callable(extra) else extra]):
         tracker.register(t)
-    del extra, t          # the loop's last tensor too: a previous cache's values fn drops
+    extra = t = None      # the loop's last tensor too: a previous cache's values fn drops (bound
+    #                       even when there was none to register)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)

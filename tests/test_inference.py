@@ -90,8 +90,11 @@ def test_training_techniques_refused(kwargs, key):
 def test_unknown_mode_and_cache():
     with pytest.raises(UnknownName):
         sm.Policy(mode="serving")
-    with pytest.raises(UnknownName):           # StaticCache and QuantizedCache: not modelled
-        sm.Policy(mode="inference", cache="static")
+    with pytest.raises(UnknownName):
+        sm.Policy(mode="inference", cache="paged")
+    with pytest.raises(ConfigError) as err:    # QuantizedCache: not modelled, with the reason
+        sm.Policy(mode="inference", cache="quantized")
+    assert err.value.field == "cache" and "quanto or HQQ" in str(err.value) and "--cache static" in str(err.value)
 
 
 def test_sliding_window_requirement():
@@ -162,3 +165,129 @@ def test_unchecked_families_refused():
     with pytest.raises(ConfigError) as err:
         sm.estimate(graph, sm.Policy(device="cpu", mode="inference"))
     assert "offset_ids" in str(err.value) and "--mode training" in str(err.value)
+
+
+def static(precision="bf16", max_cache_len=None, **kw):
+    graph = sm.models.from_hf_config({**LLAMA, **kw.pop("config", {})})
+    return sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", cache="static",
+                                        max_cache_len=max_cache_len, **kw))
+
+
+def test_static_cache_formula():
+    """A StaticCache preallocates max_cache_len = s + n_g positions (generate's default) and
+    each layer's 8-byte counter: 2 L b k (s + n_g) d B_a + 8 L, as the dynamic cache's after
+    the decoding step, plus the counters."""
+    est = static()
+    assert sp.expand(est.components["cache"] - 2 * L * b * k * (s + n_g) * (h / a) * B_a - 8 * L) == 0
+    # 2 * 2 layers * b 3 * k 2 * 15 positions * d 16 * 2 bytes + 8 * 2 = 11,520 + 16
+    assert est.at(b=3, s=10, n_g=5).bytes["cache"] == 11_536
+
+
+def test_static_cache_fixed_length():
+    """A fixed max_cache_len: the cache no longer grows with n_g, and s + n_g must fit in it."""
+    est = static(max_cache_len=64)
+    # 2 * 2 * b 3 * k 2 * 64 * 16 * 2 + 16 = 49,168 whatever s and n_g
+    assert est.at(b=3, s=10, n_g=5).bytes["cache"] == est.at(b=3, s=20, n_g=44).bytes["cache"] == 49_168
+    # the decoding step writes in place: its peak does not depend on n_g either
+    assert est.at(b=3, s=10, n_g=5).peak == est.at(b=3, s=10, n_g=50).peak
+    with pytest.raises(ConfigError) as err:
+        est.at(b=3, s=20, n_g=45)
+    assert "max_cache_len" in str(err.value)
+
+
+def test_static_decode_is_flat_dynamic_grows():
+    """The static cache exists whole before the decoding step; the dynamic one holds two
+    copies of a layer's keys while torch.cat makes the longer one."""
+    dyn, sta = estimate(), static()
+    assert sta.at(b=2, s=8, n_g=3).bytes["cache"] == dyn.at(b=2, s=8, n_g=3).bytes["cache"] + 16
+
+
+@pytest.mark.parametrize("kwargs,field,words", [
+    (dict(max_cache_len=0), "max_cache_len", "a whole number of positions >= 1"),
+    (dict(max_cache_len="64"), "max_cache_len", "a whole number of positions >= 1"),
+])
+def test_static_cache_bad_length(kwargs, field, words):
+    with pytest.raises(ConfigError) as err:
+        sm.Policy(mode="inference", cache="static", **kwargs)
+    assert err.value.field == field and words in str(err.value)
+
+
+def test_max_cache_len_needs_static():
+    with pytest.raises(ConfigError) as err:
+        sm.Policy(mode="inference", max_cache_len=64)
+    assert "--cache static" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        sm.Policy(cache="static")
+    assert "--mode inference" in str(err.value)
+
+
+def test_static_cache_refusals():
+    """A sliding window (StaticSlidingWindowLayer) and SDPA on CUDA are not modelled."""
+    with pytest.raises(ConfigError) as err:
+        static(config={"model_type": "mistral", "sliding_window": 16})
+    assert "StaticSlidingWindowLayer" in str(err.value) and "--cache dynamic" in str(err.value)
+    graph = sm.models.from_hf_config(LLAMA)
+    with pytest.raises(ConfigError) as err:
+        sm.estimate(graph, sm.Policy("bf16", device="cuda", mode="inference", cache="static", attention="sdpa"))
+    assert "--attention eager" in str(err.value)
+    sm.estimate(graph, sm.Policy("bf16", device="cuda", mode="inference", cache="static", attention="eager"))
+
+
+def test_cli_infer_static(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA))
+    code, out, _ = run(capsys, "infer", "--config", cfg, "--batch", 3, "--seq", 10, "--new-tokens", 5,
+                       "--precision", "bf16", "--device", "cpu", "--format", "json", "--cache", "static",
+                       "--max-cache-len", 64)
+    assert code == 0, out
+    j = json.loads(out)
+    assert j["bytes"]["cache"] == 49_168          # as in test_static_cache_fixed_length
+    assert (j["inputs"]["cache"], j["inputs"]["max_cache_len"]) == ("static", 64)
+
+
+def test_regions_in_inference(est):
+    """Estimate.regions in inference: n_g a value by keyword, else an error naming it."""
+    with pytest.raises(ConfigError) as err:
+        est.regions(b_max=64, points=5)
+    assert "n_g" in str(err.value) and "regions(..., n_g=...)" in str(err.value)
+    regions = est.regions(b_max=64, points=5, n_g=16)
+    assert {r.point.phase for r in regions} <= {"prefill", "decode"}
+    assert sum(r.share for r in regions) == pytest.approx(1)
+    # each region's winner is the largest candidate at a grid point inside it
+    for r in regions:
+        at = est._subs({"b": r.b[0], "s": r.s[0], "n_g": 16})
+        assert int(r.point.total.xreplace(at)) == max(int(t.xreplace(at)) for t in est.totals)
+
+
+def test_describe_inference():
+    """The inference policy in words: nothing of gradients, optimizer states or scalers."""
+    for precision in ("fp32", "bf16", "bf16-mixed", "fp16-mixed"):
+        text = sm.Policy(precision, mode="inference").describe()
+        assert not any(w in text for w in ("gradient", "optimizer", "GradScaler")), text
+    assert "static, max_cache_len 64 KV cache" in sm.Policy(mode="inference", cache="static",
+                                                              max_cache_len=64).describe()
+
+
+def test_logits_last_by_default():
+    """generate's logits_to_keep=1: the prefill's output head makes (b, 1, V) logits; with
+    logits="all" it makes (b, s, V). With a vocabulary of 4,096 the prefill's peak is at its
+    logits, (s - 1) b V B_a bytes fewer with the last position's only."""
+    graph = sm.models.from_hf_config({**LLAMA, "vocab_size": 4096})
+    last, full = (sm.estimate(graph, sm.Policy("bf16", device="cpu", mode="inference", logits=lg))
+                  for lg in ("last", "all"))
+    assert "prefill's logits: last position" in last.policy.describe()
+    at = dict(b=2, s=64, n_g=1)
+    assert last.at(**at).bytes["cache"] == full.at(**at).bytes["cache"]
+    assert full.at(**at).peak_point.node == "lm_head"
+    assert last.at(**at).peak < full.at(**at).peak
+
+    def head(est):             # the prefill's moment at its output head
+        (p,) = [p for p in est.timeline if p.phase == "prefill" and p.node == "lm_head"]
+        return int(p.total.xreplace(est._subs(at)))
+    # 63 positions fewer: 63 * b 2 * V 4096 * 2 bytes = 1,032,192
+    assert head(full) - head(last) == 63 * 2 * 4096 * 2 == 1_032_192
+    with pytest.raises(ConfigError) as err:
+        sm.Policy(logits="all")
+    assert "--mode inference" in str(err.value)
+    with pytest.raises(UnknownName):
+        sm.Policy(mode="inference", logits="first")

@@ -1,4 +1,4 @@
-"""Inference against Hugging Face's own causal LMs (Llama, Qwen2, Mistral, GPT-2) on the CPU: the prefill of a prompt and one
+"""Inference against Hugging Face's own causal LMs (Llama, Qwen2, Mistral, GPT-2, GPT-NeoX) on the CPU: the prefill of a prompt and one
 decoding step with transformers' ``DynamicCache``, under ``torch.no_grad`` (random weights,
 small configs, no download). Each case checks, to the byte, the peak of the prefill, the peak
 of the decoding step and the KV cache after it, measured by
@@ -30,6 +30,11 @@ CLASSES = {
 def hf_model(family, point, attention):
     b, s, h, f, a, k, L, V = point
     torch.manual_seed(0)
+    if family == "gpt_neox":    # multi-head, a quarter of each head rotated, parallel residual: k unused
+        cfg = transformers.GPTNeoXConfig(hidden_size=h, intermediate_size=f, num_attention_heads=a,
+                                         num_hidden_layers=L, vocab_size=V, max_position_embeddings=64,
+                                         rotary_pct=0.25, attn_implementation=attention)
+        return cfg, transformers.GPTNeoXForCausalLM(cfg).eval()
     if family == "gpt2":        # multi-head, its own MLP width (4h): k and f unused
         cfg = transformers.GPT2Config(n_embd=h, n_head=a, n_layer=L, vocab_size=V, n_positions=64,
                                       attn_implementation=attention)
@@ -41,15 +46,26 @@ def hf_model(family, point, attention):
     return cfg, model_class(cfg).eval()
 
 
-def measure_generation(model, precision, ids, n_g, V):
+def measure_generation(model, precision, ids, n_g, V, static=None, logits="last"):
     """(prefill report, decoding-step report, cache bytes after it): the prompt ``ids``, then
-    n_g - 1 untracked decoding steps, then the tracked one (the cache then holds s + n_g)."""
-    cache = transformers.DynamicCache(config=model.config)
+    n_g - 1 untracked decoding steps, then the tracked one (the cache then holds s + n_g).
+    ``static``: a StaticCache of that many positions instead of a DynamicCache; its layers'
+    ``cumulative_length`` counters (made by ``StaticCache()``, before the prefill) are part of it.
+    ``logits``: ``last`` calls the model with ``logits_to_keep=1``, as ``generate`` does; ``all``
+    without it (every position's logits)."""
+    keep = 1 if logits == "last" else 0
+    if static:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=static)
+    else:
+        cache = transformers.DynamicCache(config=model.config)
+
+    def counters():
+        return [x.cumulative_length for x in cache.layers] if static else []
 
     def forward(x):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(x, cache=cache, use_cache=True).logits
-    prefill, out = inference_pass(model, lambda: forward(ids), extra=(ids,))
+            return model(x, cache=cache, use_cache=True, logits_to_keep=keep).logits
+    prefill, out = inference_pass(model, lambda: forward(ids), extra=lambda: (ids, counters()))
     del out
     b = ids.shape[0]
     for _ in range(n_g - 1):
@@ -59,19 +75,21 @@ def measure_generation(model, precision, ids, n_g, V):
     # the cache's tensors handed over by a function: a list made in the call would keep the
     # previous keys and values alive through it
     decode, out = inference_pass(model, lambda: forward(nxt),
-                                 extra=lambda: (nxt, [x.keys for x in cache.layers], [x.values for x in cache.layers]))
+                                 extra=lambda: (nxt, [x.keys for x in cache.layers], [x.values for x in cache.layers],
+                                                counters()))
     del out
     cached = sum(x.keys.untyped_storage().nbytes() + x.values.untyped_storage().nbytes() for x in cache.layers)
+    cached += sum(x.untyped_storage().nbytes() for x in counters())
     return prefill, decode, cached
 
 
-def assert_generation_exact(est, model, precision, b, s, n_g, V):
+def assert_generation_exact(est, model, precision, b, s, n_g, V, static=None, logits="last"):
     """The prefill's and the decoding step's peaks, each phase's own maximum over the estimate's
     timeline, and the cache, to the byte."""
     if b == 1:                  # b = 1 reshapes some copies into views (Estimate.at_one)
         est = est.at_one
     ids = torch.randint(0, V, (b, s))
-    prefill, decode, cached = measure_generation(model, precision, ids, n_g, V)
+    prefill, decode, cached = measure_generation(model, precision, ids, n_g, V, static, logits)
     subs = est._subs({"b": b, "s": s, "n_g": n_g})
     predicted = {step: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == step)
                  for step in ("prefill", "decode")}
@@ -91,6 +109,9 @@ CASES = [
     ("mistral", POINTS[1], "sdpa", "bf16", 2),
     ("gpt2", POINTS[0], "eager", "fp32", 3),       # dropout 0.1 in training, off in eval
     ("gpt2", POINTS[2], "sdpa", "bf16-mixed", 2),
+    # the attention's and the MLP's arguments (the layer norms' outputs) live until each returns
+    ("gpt_neox", POINTS[0], "eager", "fp32", 3),
+    ("gpt_neox", POINTS[0], "sdpa", "bf16-mixed", 2),
 ]
 
 
@@ -107,3 +128,63 @@ def test_generation_exact(family, point, attention, precision, n_g):
     assert ev.bytes["params"] == param_bytes(model)
     assert (ev.bytes["grads"], ev.bytes["optimizer"], ev.bytes["master"], ev.bytes["activations"]) == (0, 0, 0, 0)
     assert_generation_exact(est, model, precision, b, s, n_g, V)
+
+
+# (family, point, attention, precision, n_g, max_cache_len: None for s + n_g, as generate sets
+# it, the prefill's logits)
+STATIC = [
+    ("llama", POINTS[0], "eager", "fp32", 3, None, "all"),
+    ("llama", POINTS[0], "sdpa", "fp32", 3, None, "last"),        # the decoding step's boolean mask, its float copy
+    ("llama", POINTS[1], "eager", "bf16", 2, 20, "last"),          # 6 positions preallocated beyond s + n_g
+    ("llama", POINTS[2], "sdpa", "bf16-mixed", 2, None, "all"),    # b = 1, multi-query
+    ("qwen2", POINTS[0], "sdpa", "bf16-mixed", 2, 16, "last"),
+]
+
+
+@pytest.mark.parametrize("family,point,attention,precision,n_g,max_len,logits", STATIC,
+                         ids=[f"{fam}-b{p[0]}-s{p[1]}-k{p[5]}-{at}-{pr}-n{n}-T{t}-{lg}"
+                              for fam, p, at, pr, n, t, lg in STATIC])
+def test_static_cache_exact(family, point, attention, precision, n_g, max_len, logits):
+    """transformers' StaticCache: the whole (b, k, T, d) keys and values allocated at the
+    prefill's first update of each layer, written in place by the decoding step; attention
+    over all T = max_cache_len positions (s + n_g by default)."""
+    b, s, h, f, a, k, L, V = point
+    cfg, model = hf_model(family, point, attention)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
+    est = sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", cache="static",
+                                       max_cache_len=max_len, logits=logits))
+    T = max_len or s + n_g
+    # keys and values of T positions in each layer, and each layer's 8-byte counter; under
+    # autocast the keys are float32 (rotated by float32 cos and sin), the values bfloat16
+    B_k, B_v = {"fp32": (4, 4), "bf16": (2, 2), "bf16-mixed": (4, 2)}[precision]
+    assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == L * b * k * T * (h // a) * (B_k + B_v) + 8 * L
+    assert_generation_exact(est, model, precision, b, s, n_g, V, static=T, logits=logits)
+
+
+# a vocabulary large enough for the prefill's logits to be its peak: (b, s, h, f, a, k, L, V)
+WIDE = (2, 16, 32, 64, 4, 2, 2, 1000)
+
+
+@pytest.mark.parametrize("family,attention,precision", [("llama", "eager", "bf16-mixed"), ("gpt2", "sdpa", "fp32")])
+def test_logits_to_keep(family, attention, precision):
+    """generate's logits_to_keep=1 against every position's logits: the prefill's and the
+    decoding step's peaks measured both ways, exact."""
+    b, s, h, f, a, k, L, V = WIDE
+    cfg, model = hf_model(family, WIDE, attention)
+    graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
+    peaks = {}
+    for logits in ("last", "all"):
+        est = sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", logits=logits))
+        assert_generation_exact(est, model, precision, b, s, 1, V, logits=logits)
+        peaks[logits] = est.at(b=b, s=s, n_g=1).peak
+    # both measured exact above; the last position's logits make the prefill smaller
+    assert peaks["last"] < peaks["all"]
+
+
+def test_inference_pass_without_tensors():
+    """A module with no parameters or buffers and no extra tensors: nothing registered before
+    the call (3 float32 elements = 12 bytes made by it, still referenced at the end)."""
+    report, out = inference_pass(torch.nn.Identity(), lambda: torch.ones(3))
+    assert (report.at_start, report.peak, report.at_end) == (0, 12, 12)

@@ -133,10 +133,14 @@ def build_gpt_neox(cfg: GPTNeoXConfig) -> Graph:
             out = g.add("add", m, attn, name="layers/residual")
         # GPTNeoXAttention's locals until it returns (qkv and its views, the rotated q and k);
         # GPTNeoXLayer's input and its attention and MLP outputs until it returns
-        for value in (qkv, q, key):
+        # (and its argument, the input layer norm's output, as in
+        # `self.attention(self.input_layernorm(hidden_states), ...)`)
+        for value in (y, qkv, q, key):
             g.hold(value, until="layers/attention.dense")
         for value in (x, attn, m):         # hidden_states, attn_output, mlp_output
             g.hold(value, until=out)
+        # GPTNeoXMLP's argument, `self.mlp(self.post_attention_layernorm(...))`, until it returns
+        g.hold(y2, until="layers/mlp.dense_4h_to_h")
         return out
 
     x = g.repeat(L, block, x, name="layers")

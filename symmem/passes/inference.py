@@ -3,8 +3,10 @@
 ``Policy(mode="inference")`` (``symmem infer``) asks for the memory of text generation with
 a KV cache, as transformers' ``generate`` runs a causal LM under ``torch.no_grad``:
 
-- **prefill**: the prompt's forward, ``model(input_ids, cache=cache, use_cache=True)`` on
-  (b, s) token ids; each layer appends its keys and values (s positions) to the cache;
+- **prefill**: the prompt's forward, ``model(input_ids, cache=cache, use_cache=True,
+  logits_to_keep=1)`` on (b, s) token ids; each layer appends its keys and values (s
+  positions) to the cache; the output head projects the last position only, as ``generate``
+  asks (``policy.logits="all"``: every position, without ``logits_to_keep``);
 - **decode**: one decoding step, ``model(next_ids, cache=cache)`` on (b, 1) ids with s + n_g - 1
   positions cached, after which the cache holds s + n_g (the step that feeds the n_g-th
   generated token; every earlier step has a shorter cache, so this one is the largest).
@@ -33,7 +35,16 @@ them.
 Modelled: transformers' ``DynamicCache`` of ``DynamicLayer`` layers (the default of
 ``generate``). A sliding window (Mistral) makes ``DynamicSlidingWindowLayer`` layers, which
 are the same while fewer than ``window`` positions are cached: the formulas then require
-s + n_g <= window - 1. ``StaticCache`` and ``QuantizedCache`` are refused by the policy.
+s + n_g <= window - 1.
+
+``cache="static"``: transformers' ``StaticCache`` of ``StaticLayer`` layers. The cache nodes
+make (b, k, T, d) tensors, T = ``max_cache_len`` (:func:`max_cache_len`), allocated at the
+prefill's first update of each layer and written in place by the decoding step, before which
+the whole cache exists; the eager mask has T columns; SDPA's decoding step gets a boolean
+(1, 1, 1, T) mask (``static_sdpa_mask``) and makes a float copy of it inside each call
+(``sdpa_float_mask``, held until the kernel returns); each layer keeps an 8-byte counter.
+Refused: a sliding window (``StaticSlidingWindowLayer``) and SDPA on CUDA. ``QuantizedCache``
+is refused by the policy.
 """
 from __future__ import annotations
 
@@ -43,47 +54,79 @@ import sympy as sp
 
 from ..errors import ConfigError
 from ..graph import Graph, Node, Repeat, _defines
+from ..policy.attention import resolve
 from ..plan import Free, Compute, Hold, Key, Plan, Alloc
 from ..symbols import n_g, s
 
 __all__ = ["prepare", "apply", "step_graph", "cache_nodes", "cache_bytes", "CACHE_HOLDER", "CHECKED_OPS", "STEPS",
-           "cache_length"]
+           "cache_length", "max_cache_len", "COUNTER_BYTES"]
 
 #: The holder of the KV cache's tensors: the ``Cache`` object, alive for the whole generation.
 CACHE_HOLDER = "kv cache"
 #: The operators of the families whose generation is measured exact (Llama, Qwen2, Mistral,
-#: GPT-2: ``tests/test_inference_measured.py``); a model with any other is refused.
+#: GPT-2, GPT-NeoX: ``tests/test_inference_measured.py``); a model with any other is refused
+#: (OPT, measured at b = 2, s = 8, h = 32, n_g = 3: the prefill 2,048 bytes, one (b, s, h) float32
+#: tensor, below its formula, not explained yet; the decoding step 240 above, its positions made
+#: from ``torch.ones(b, past + 1)`` and an int64 ``cumsum`` over every position seen, which the
+#: graph has for the step's one column).
 CHECKED_OPS = frozenset({
-    "add", "attention", "carry", "causal_mask", "dropout", "embedding", "gelu_new", "heads", "input",
+    "add", "attention", "carry", "causal_mask", "dropout", "embedding", "gelu", "gelu_new", "heads", "input",
     "layer_norm", "linear", "log_softmax", "merge_heads", "mul", "nll_loss", "pad_labels", "position_embedding",
     "positions", "rms_norm", "rope", "rotary", "shift_labels", "silu", "split", "to_float32"})
 #: The steps of generation symmem derives, in order.
 STEPS = ("prefill", "decode")
 
 
-def cache_length(step: str) -> sp.Expr:
-    """Positions cached after ``step``: s after the prefill, s + n_g after the decoding step."""
+def cache_length(step: str, policy=None) -> sp.Expr:
+    """Positions a cache tensor holds after ``step``: s after the prefill, s + n_g after the
+    decoding step; a static cache's ``max_cache_len`` after either (:func:`max_cache_len`)."""
+    if policy is not None and policy.cache == "static":
+        return max_cache_len(policy)
     return s if step == "prefill" else s + n_g
+
+
+def max_cache_len(policy) -> sp.Expr:
+    """A static cache's positions: the policy's ``max_cache_len``, else s + n_g (``generate``
+    builds its StaticCache with ``max_cache_len=generation_config.max_length``, the prompt's
+    length plus ``max_new_tokens``)."""
+    return s + n_g if policy.max_cache_len is None else sp.Integer(policy.max_cache_len)
+
+
+#: Bytes of a StaticLayer's ``cumulative_length`` (``torch.tensor(0, dtype=int)``: an int64).
+COUNTER_BYTES = 8
 
 
 def prepare(graph: Graph, policy) -> Graph:
     """The graph of the policy's inference step (``policy.step``); a training policy's as is."""
     if policy.mode != "inference":
         return graph
-    return step_graph(graph, policy.step)
+    return step_graph(graph, policy.step, policy)
 
 
 def apply(plan: Plan, graph: Graph, policy) -> Plan:
     """The plan of one inference step: forward only; the cache held to the end; in the
-    decoding step the previous cache allocated before it and freed layer by layer."""
+    decoding step the previous cache allocated before it and freed layer by layer (a
+    dynamic cache), or the whole cache allocated before it and written in place (static)."""
     if policy.mode != "inference":
         return plan
+    static = policy.cache == "static"
     names = set(cache_nodes(graph))
     sliding = set(cache_nodes(graph, sliding=True))
     forward, states, pending = [], list(plan.states), []
+    counters = policy.device == "cpu" or policy.step == "decode"
     for e in plan.forward:
         if isinstance(e, Compute) and e.node in names:
-            e = replace(e, holds=e.holds + (Hold(e.out, CACHE_HOLDER),), role="cache")
+            holds = e.holds + (Hold(e.out, CACHE_HOLDER),)
+            new = e.new
+            if static and not counters and e.node.endswith("k_cache"):
+                # StaticLayer.lazy_initialization: `cumulative_length.to(device)`, a device copy
+                new = new + ((Key("cache counter", e.node, e.copy), sp.Integer(COUNTER_BYTES)),)
+                holds += (Hold(new[-1][0], CACHE_HOLDER),)
+            e = replace(e, holds=holds, new=new, role="cache")
+            if static and policy.step == "decode":    # index_copy_ into the cache allocated before
+                forward.append(Free(Key("previous cache", e.node, e.copy), e.out_bytes, "cache"))
+                forward.append(e)
+                continue
             forward.append(e)
             if policy.step == "decode":       # `self.keys = cat(...)` drops the previous keys
                 pending.append(Free(Key("previous cache", e.node, e.copy), _previous_bytes(e.out_bytes), "cache"))
@@ -93,16 +136,21 @@ def apply(plan: Plan, graph: Graph, policy) -> Plan:
                     pending = []
             continue
         forward.append(e)
+    counts = _counts(graph)
     if policy.step == "decode":
-        counts = _counts(graph)
         first = {}
         for e in plan.forward:
             if isinstance(e, Compute) and e.node in names:
                 first.setdefault(e.node, e.out_bytes)
         for name, nbytes in first.items():
-            states.append(Alloc(Key("previous cache", name), _previous_bytes(nbytes), "cache", counts[name]))
+            states.append(Alloc(Key("previous cache", name), nbytes if static else _previous_bytes(nbytes), "cache",
+                                counts[name]))
+    if static and counters:      # made by StaticCache() on the host: the device's on the CPU
+        for name in cache_nodes(graph):
+            if name.endswith("k_cache"):
+                states.append(Alloc(Key("cache counter", name), sp.Integer(COUNTER_BYTES), "cache", counts[name]))
     note = (f"inference ({policy.step}): weights frozen, no loss, backward or optimizer step; "
-            f"the KV cache holds {cache_length(policy.step)} positions after the step")
+            f"the KV cache holds {cache_length(policy.step, policy)} positions after the step")
     return replace(plan, states=tuple(states), forward=tuple(forward), backward=(), optimizer=(),
                    notes=plan.notes + (note,))
 
@@ -128,12 +176,14 @@ def _counts(graph: Graph) -> dict:
 
 def cache_bytes(plan: Plan, graph: Graph) -> sp.Expr:
     """The KV cache after the plan's step: each cache node's tensor once per iteration of its
-    block (``2 L b k T d`` bytes per element for a Llama-type model, T the cached positions)."""
+    block (``2 L b k T d`` bytes per element for a Llama-type model, T the cached positions),
+    and a static cache's counters (8 bytes a layer)."""
     names, counts, seen = set(cache_nodes(graph)), _counts(graph), {}
     for e in plan.forward:
         if isinstance(e, Compute) and e.node in names:
             seen.setdefault(e.node, e.out_bytes * counts[e.node])
-    return sp.expand(sp.Add(*seen.values()))
+    counters = [a.nbytes * a.count for a in plan.states if isinstance(a, Alloc) and a.key.kind == "cache counter"]
+    return sp.expand(sp.Add(*seen.values(), *counters))
 
 
 def cache_nodes(graph: Graph, sliding: bool = False) -> tuple[str, ...]:
@@ -147,10 +197,10 @@ def cache_nodes(graph: Graph, sliding: bool = False) -> tuple[str, ...]:
 
 
 # ----- the graph of a step ----------------------------------------------------------------------
-def step_graph(graph: Graph, step: str) -> Graph:
+def step_graph(graph: Graph, step: str, policy=None) -> Graph:
     """``graph`` (a training forward) as the graph of inference step ``step`` (prefill or
-    decode): the loss removed, a cache before each attention node, and for
-    the decoding step one token's shapes."""
+    decode): the loss removed, a cache before each attention node (``policy.cache``: dynamic,
+    the default, or static), and for the decoding step one token's shapes."""
     if step not in STEPS:
         raise ConfigError("inference step", step, f"one of {', '.join(STEPS)}")
     if not any(isinstance(n, Node) and n.op == "attention" for g in graph.graphs() for n in g.items):
@@ -159,15 +209,36 @@ def step_graph(graph: Graph, step: str) -> Graph:
     others = sorted({n.op for x in graph.graphs() for n in x.items if isinstance(n, Node)} - CHECKED_OPS)
     if others:
         raise ConfigError("mode", "inference", "a model of the operators whose inference is measured exact (the "
-                                               "llama, qwen2, mistral and gpt2 families)",
-                          f"This model also runs {', '.join(others)} (GPT-NeoX, OPT, ...): its generation is not "
-                          "checked yet, so symmem refuses it rather than guess; use --mode training.")
+                                               "llama, qwen2, mistral, gpt2 and gpt_neox families)",
+                          f"This model also runs {', '.join(others)} (OPT, ...): its generation is not "
+                          "checked yet (OPT's positions, a cumsum over the 2-D attention mask, measured a few "
+                          "hundred bytes to 2 KiB off), so symmem refuses it rather than guess; use --mode training.")
     g = _without_loss(graph)
-    length = cache_length(step)
+    static = policy is not None and policy.cache == "static"
+    length = cache_length(step, policy)
     subs = {s: sp.Integer(1)} if step == "decode" else {}
-    out = _rebuilt(g, subs, length, None)
+    kernel = resolve(policy.attention, graph.attention) if policy is not None else "eager"
+    if static and kernel != "eager" and policy.device != "cpu":
+        raise ConfigError("cache", "static", f"--attention eager or --device cpu with a static cache (not {kernel} on "
+                                             f"{policy.device})",
+                          "A StaticCache's decoding step hands SDPA a boolean mask over max_cache_len positions, "
+                          "which makes CUDA leave the flash kernel for mem-efficient attention with a padded float "
+                          "mask: not modelled (measured on the CPU only). Use --attention eager.")
+    # SDPA gets a materialised boolean mask in a static cache's decoding step
+    sdpa_mask = static and step == "decode" and kernel != "eager"
+    out = _rebuilt(g, subs, length, None, static, sdpa_mask)
+    if step == "prefill" and (policy is None or policy.logits == "last"):
+        _last_position_logits(out)
     windows = {n.attr("window") for x in out.graphs() for n in x.items
                if isinstance(n, Node) and n.op == "attention" and n.attr("window") is not None}
+    if static and windows:
+        raise ConfigError("cache", "static", "a model without sliding-window attention (a StaticCache of "
+                                             "StaticLayer layers)",
+                          f"This model's attention has a sliding window ({min(windows)}): transformers then makes "
+                          "StaticSlidingWindowLayer layers, which symmem does not model; use --cache dynamic.")
+    if static and policy.max_cache_len is not None:
+        out.require(s + n_g, length, "the prompt and the tokens generated fit in the static cache's "
+                                     "max_cache_len positions (StaticLayer.update writes past its end otherwise)")
     for w in sorted(windows):
         out.require(s + n_g, w - 1, f"fewer positions cached than the sliding window ({w}): transformers' "
                                     "DynamicSlidingWindowLayer then keeps every position, as modelled; a longer "
@@ -176,6 +247,29 @@ def step_graph(graph: Graph, step: str) -> Graph:
         if r.lhs == s and r.kind == "at most":
             out.require(s + n_g, r.rhs, r.reason)
     return out
+
+
+def _last_position_logits(g: Graph) -> None:
+    """``generate``'s ``logits_to_keep=1``: the output head (the last top-level linear node the
+    forward returns) reads the last position of its input (``last_position``, a view) and makes
+    (b, 1, V) logits."""
+    heads = [i for i, n in enumerate(g.items) if isinstance(n, Node) and n.op == "linear" and n.name in g.outputs]
+    if not heads:
+        raise ConfigError("logits", "last", "a causal LM whose forward returns its output head's logits",
+                          "Use --logits all for this model.")
+    i = heads[-1]
+    head = g.items[i]
+    x = head.inputs[0]
+    xs = g._lookup_shape(x)
+    name = f"{head.name}/last_position"
+    last = Node(name, "last_position", (x,), shape=(xs[0], sp.Integer(1), *xs[2:]))
+    new = replace(head, inputs=(name, *head.inputs[1:]), shape=(head.shape[0], sp.Integer(1), *head.shape[2:]))
+    if any(head.name in n.inputs for n in g.items[i + 1:] if isinstance(n, Node)):
+        raise ConfigError("logits", "last", "a model whose logits are returned as the output head makes them",
+                          f"{g.name!r} computes on its logits after {head.name!r}: use --logits all.")
+    g.items[i:i + 1] = [last, new]
+    g._shapes[name], g._shapes[head.name] = last.shape, new.shape
+    g._taken.add(name)
 
 
 def _without_loss(graph: Graph) -> Graph:
@@ -205,9 +299,10 @@ def _root(g: Graph) -> Graph:
     return g
 
 
-def _rebuilt(g: Graph, subs: dict, length, parent) -> Graph:
-    """A copy of ``g`` with every shape substituted (``subs``), the cache nodes inserted and
-    the causal mask's columns set to the cache's length."""
+def _rebuilt(g: Graph, subs: dict, length, parent, static: bool = False, sdpa_mask: bool = False) -> Graph:
+    """A copy of ``g`` with every shape substituted (``subs``), the cache nodes inserted
+    (``static``: a StaticCache's) and the causal mask's columns set to the cache's length
+    (``sdpa_mask``: SDPA's boolean mask, and its float copy inside each attention call)."""
     out = Graph(g.name, dict(g.bindings), parent=parent, externals=g.externals, outputs=g.outputs,
                 requirements=g.requirements, attention=g.attention)
     out._taken = set(g._taken) if parent is None else parent._taken
@@ -224,9 +319,13 @@ def _rebuilt(g: Graph, subs: dict, length, parent) -> Graph:
             out._shapes[n] = sh
         out._taken.add(item.name)
 
+    def put_new(item) -> str:
+        put(item)
+        return item.name
+
     for item in g.items:
         if isinstance(item, Repeat):
-            body = _rebuilt(item.body, subs, length, out)
+            body = _rebuilt(item.body, subs, length, out, static, sdpa_mask)
             # `hidden_states = layer(hidden_states)`: the model's loop keeps each layer's input
             # until the layer returns (in training the saved tensors outlive it anyway)
             body.locals = body.locals + tuple((c, o) for c, o in zip(item.carries, item.output))
@@ -244,6 +343,10 @@ def _rebuilt(g: Graph, subs: dict, length, parent) -> Graph:
         if item.op == "input" and "shape" in attrs:
             attrs["shape"] = sub(attrs["shape"])
         node = replace(item, shape=sub(item.shape), attrs=tuple(sorted(attrs.items())))
+        if item.op == "causal_mask":           # (b, 1, q, positions cached)
+            node = replace(node, shape=(*node.shape[:3], length))
+            if sdpa_mask:
+                node = replace(node, op="static_sdpa_mask", shape=(sp.Integer(1), sp.Integer(1), node.shape[2], length))
         if item.op == "attention":
             q, key, v, *rest = node.inputs
             base = node.name.rsplit("/", 1)[0] + "/" if "/" in node.name else node.name + "/"
@@ -254,6 +357,7 @@ def _rebuilt(g: Graph, subs: dict, length, parent) -> Graph:
                 # one kv head (multi-query): the model's own 1, so that repeat_kv sees a view
                 heads = 1 if sp.sympify(shape[1]).xreplace(_root(g).bindings) == 1 else shape[1]
                 put(Node(name, "kv_cache", (value,), attrs=(("kv_heads", heads), ("length", length),
+                                                            ("static", static), ("which", which),
                                                             ("window", attrs.get("window"))),
                          shape=(shape[0], heads, length, shape[3])))
                 moved[value] = name
@@ -261,6 +365,12 @@ def _rebuilt(g: Graph, subs: dict, length, parent) -> Graph:
             # `key_states, value_states = cache.update(key_states, value_states)`: the caller's
             # keys live until update returns, after the values' cat
             holds.append((key, cached[1]))
+            if sdpa_mask:
+                (mask,) = rest
+                qs = out._lookup_shape(q)
+                fm = put_new(Node(f"{base}sdpa_float_mask", "sdpa_float_mask", (mask, q),
+                                  shape=(qs[0], sp.Integer(1), qs[2], length)))
+                holds.append((fm, node.name))
             node = replace(node, inputs=(q, *cached, *rest))
         put(node)
     out.locals = tuple((moved.get(v, v), u) for v, u in g.locals) + tuple(holds)

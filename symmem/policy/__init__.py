@@ -38,7 +38,7 @@ from ..errors import ConfigError
 from ..rules import Ctx
 from .adapters import LORA_DTYPES, LoRA
 from .attention import ATTENTION
-from .inference import CACHES, MODES
+from .inference import CACHES, LOGITS, MODES
 from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
 from .quantize import QUANTIZE, Quantization
@@ -50,7 +50,7 @@ from .slots import DEVICES
 
 __all__ = ["Policy", "Part", "PARTS", "Precision", "Optimizer", "Implementation", "Recompute", "LoRA", "Registry",
            "Quantization", "PRECISIONS", "OPTIMIZERS", "IMPLEMENTATIONS", "RECOMPUTE", "DEVICES", "ATTENTION",
-           "QUANTIZE", "LORA_DTYPES", "MODES", "CACHES",
+           "QUANTIZE", "LORA_DTYPES", "MODES", "CACHES", "LOGITS",
            "Parallel"]
 
 
@@ -85,12 +85,23 @@ class Policy:
     parallel: Parallel | str = "none"
     mode: str = "training"
     cache: str = "dynamic"
+    #: a StaticCache's positions (None: s + n_g, as generate sets it)
+    max_cache_len: int | None = None
+    #: the prefill's logits: the last position's (generate's logits_to_keep=1) or all
+    logits: str = "last"
     #: the inference step a plan is lowered for (set by the engine, not a choice)
     step: str = field(default="prefill", repr=False)
     #: derive the step at b = 1 (set by :attr:`symmem.engine.Estimate.at_one`, not a choice)
     batch_one: bool = field(default=False, repr=False)
 
     def __post_init__(self):
+        if str(self.cache).lower() == "quantized":      # a name users reach for: refused with the reason
+            raise ConfigError("cache", self.cache, "dynamic or static",
+                              "transformers' QuantizedCache keeps keys and values packed by the quanto or HQQ "
+                              "library (integers, scales and zero points in that library's layout) or in FP8 "
+                              "per tensor, beside a residual of full-precision positions: not modelled, since its "
+                              "bytes cannot be stated from transformers' code alone and neither backend is "
+                              "measured. Use --cache dynamic or --cache static.")
         for part in PARTS:
             if part.registry is not None:     # canonical names: "AdamW" is "adamw"
                 object.__setattr__(self, part.field, part.registry.lookup(getattr(self, part.field)).name)
@@ -114,7 +125,11 @@ class Policy:
                               "cast whole to one dtype has no float32 weights to run them in.")
         if self.mode == "inference":
             self._check_inference()
-        elif self.cache != "dynamic":
+        elif self.logits != "last":
+            raise ConfigError("logits", self.logits, "the prefill's logits to size (--mode inference)",
+                              "Give --mode inference too, or leave --logits out: a training step's logits "
+                              "cover every position.")
+        elif self.cache != "dynamic" or self.max_cache_len is not None:
             raise ConfigError("cache", self.cache, "a KV cache to size (--mode inference)",
                               "Give --mode inference too, or leave --cache out.")
         if self.prec.fp8:
@@ -133,6 +148,14 @@ class Policy:
         adapters, quantization, float32 regions or FP8."""
         if self.step not in ("prefill", "decode"):
             raise ConfigError("step", self.step, "prefill or decode")
+        n = self.max_cache_len
+        if n is not None:
+            if self.cache != "static":
+                raise ConfigError("max_cache_len", n, "a static cache to size (--cache static)",
+                                  "Give --cache static too, or leave --max-cache-len out.")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError("max_cache_len", n, "a whole number of positions >= 1",
+                                  "Leave it out for s + n_g, the length generate preallocates.")
         if self.prec.fp8:
             raise ConfigError("precision with --mode inference", self.precision,
                               "fp32, bf16, fp16, bf16-mixed or fp16-mixed",
@@ -212,6 +235,15 @@ class Policy:
     def ctx(self) -> Ctx:
         return replace(self.prec.ctx(self.device), batch_one=self.batch_one, no_grad=self.mode == "inference")
 
+    def _inference_precision(self) -> str:
+        """The precision in words for inference: no gradient, optimizer state or scaler."""
+        p = self.prec
+        if p.autocast:
+            return (f"torch.autocast(dtype=torch.{p.compute}): float32 weights; {p.compute} activations where "
+                    f"autocast casts, and cached {p.compute} copies of the weights during forward")
+        return (f"model.to(torch.{p.compute}): " if p.compute != "float32" else "") + \
+            f"weights and activations in {p.compute}"
+
     def bindings(self) -> dict:
         """Numbers for the byte symbols (optimizer states in the dtype of what they step), and
         the LoRA rank ``r`` where it is a number."""
@@ -223,8 +255,10 @@ class Policy:
         beside it (``attention sdpa (flash)``)."""
         att = self.attention + (f" ({', '.join(kernels)})" if self.attention == "sdpa" and kernels else "")
         if self.mode == "inference":
-            return (f"inference with a {self.cache} KV cache (prefill and one decoding step, torch.no_grad); "
-                    f"{self.precision} ({self.prec.description}); device {self.device}; attention {att}")
+            cache = self.cache + (f", max_cache_len {self.max_cache_len}" if self.max_cache_len is not None else "")
+            return (f"inference with a {cache} KV cache (prefill and one decoding step, torch.no_grad; the "
+                    f"prefill's logits: {'last position' if self.logits == 'last' else 'every position'}); "
+                    f"{self.precision} ({self._inference_precision()}); device {self.device}; attention {att}")
         out = (f"{self.precision} ({self.prec.description}); {self.optimizer} "
                f"[{self.impl}] ({self.opt.description}); device {self.device}; attention {att}")
         if self.recompute.mode != "none":
@@ -288,4 +322,8 @@ PARTS = (
          "set the same"),
     Part("mode", "--mode", MODES, "NAME", "a training step, or inference (generation with a KV cache)"),
     Part("cache", "--cache", CACHES, "NAME", "the KV cache's kind (--mode inference)"),
+    Part("logits", "--logits", LOGITS, "NAME",
+         "the prefill's logits (--mode inference): last (generate's logits_to_keep=1) or all positions"),
+    Part("max_cache_len", "--max-cache-len", None, "N",
+         "the positions a static cache preallocates (--cache static; default s + n_g, as generate sets it)"),
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .registry import Registry
 from .slots import Choice
 
-__all__ = ["MODES", "CACHES"]
+__all__ = ["MODES", "CACHES", "LOGITS"]
 
 MODES = Registry("mode")
 MODES.register(Choice("training", "one training step: forward, backward, optimizer step"))
@@ -15,3 +15,11 @@ MODES.register(Choice("inference", "generation under torch.no_grad with a KV cac
 CACHES = Registry("KV cache")
 CACHES.register(Choice("dynamic", "transformers' DynamicCache (generate's default): each layer's keys and "
                                   "values concatenated step by step, torch.cat making the longer copy"))
+CACHES.register(Choice("static", "transformers' StaticCache: each layer's keys and values preallocated for "
+                                 "max_cache_len positions (s + n_g unless --max-cache-len) at the first update and "
+                                 "written in place; attention runs over all max_cache_len positions"))
+
+LOGITS = Registry("logits")
+LOGITS.register(Choice("last", "generate's logits_to_keep=1: the prefill projects the last position only, "
+                               "(b, 1, V) logits"))
+LOGITS.register(Choice("all", "the model's forward without logits_to_keep: the prefill's (b, s, V) logits"))

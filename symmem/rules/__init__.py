@@ -64,7 +64,8 @@ from .core import (BOOL, F32, F64, I64, RULES, Ctx, DType, Footprint, NodeLike, 
                    TensorInfo, get_rule, infer_shape, rule)
 # the kind modules register their rules on import
 from .attention import attention_rule, sdpa_causal_mask_rule, sdpa_kernel_rule
-from .cache import kv_cache_rule
+from .cache import kv_cache_rule, sdpa_float_mask_rule, static_sdpa_mask_rule
+from .generation import last_position_rule
 from .elementwise import (add_rule, clone_rule, dropout_rule, gelu_new_rule, gelu_rule, mul_rule, relu_rule,
                           scale_rule, silu_rule, to_compute_rule, to_float32_rule, to_param_dtype_rule,
                           type_as_rule)

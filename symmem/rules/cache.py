@@ -8,9 +8,9 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ShapeError
-from .core import Footprint, TensorInfo, rule
+from .core import BOOL, Footprint, TensorInfo, rule
 
-__all__ = ["kv_cache_rule"]
+__all__ = ["kv_cache_rule", "static_update_temp", "static_sdpa_mask_rule", "sdpa_float_mask_rule"]
 
 
 @rule("kv_cache")
@@ -22,11 +22,54 @@ def kv_cache_rule(node, ins, ctx):
     previous tensor (T - 1 positions, or an empty one before the prefill) is dropped when
     ``self.keys`` is rebound, after the cat: the inference pass frees it there. Nothing is
     saved (inference runs under ``torch.no_grad``). Attribute ``kv_heads``: the heads as the
-    model binds them (1 for multi-query attention, where repeating them is a view)."""
+    model binds them (1 for multi-query attention, where repeating them is a view).
+
+    ``static``: transformers' ``StaticLayer.update`` instead, T = max_cache_len; its scratch
+    in :func:`static_update_temp` (``which``: k or v)."""
     (x,) = ins
     if len(x.shape) != 4:
         raise ShapeError(node.name, x.shape, "(batch, kv heads, sequence, head_dim) key or value states")
     length = sp.sympify(node.attr("length", x.shape[2]))
     heads = sp.sympify(node.attr("kv_heads", x.shape[1]))
+    temp = static_update_temp(x.shape[2]) if node.attr("static") and node.attr("which") == "v" else 0
     return Footprint(TensorInfo((x.shape[0], heads, length, x.shape[3]), x.dtype, True, False),
-                     grads=(None,))
+                     grads=(None,), fwd_temp=temp)
+
+
+def static_update_temp(new):
+    """``StaticLayer.update`` (transformers 5.24) for ``new`` positions: at the first call
+    ``lazy_initialization`` allocates ``torch.zeros`` keys and values of (b, k, max_cache_len,
+    d) (the key node's and the value node's outputs; the inference pass allocates them before
+    a decoding step instead); then ``cache_position = torch.arange(new) + cumulative_length``,
+    two int64 tensors of ``new`` positions while the sum is made (16 bytes a position; the
+    arange freed after it, the sum kept through both ``index_copy_``, which write in place and
+    allocate nothing). Charged to the value node, when both tensors exist."""
+    return 16 * sp.sympify(new)
+
+
+@rule("static_sdpa_mask")
+def static_sdpa_mask_rule(node, ins, ctx):
+    """The boolean mask ``create_causal_mask`` makes for SDPA in a StaticCache's decoding
+    step (``masking_utils.py``: ``allow_is_causal_skip`` is off for a compileable cache with
+    one query, so ``sdpa_mask`` materialises it): ``kv_idx <= q_idx`` broadcast from the
+    (1, 1, q, 1) and (1, 1, 1, T) index tensors into a (1, 1, q, T) bool tensor (q·T bytes),
+    then ``expand``-ed to (b, 1, q, T), a view. T = attribute ``kv_len`` (max_cache_len); the
+    model's ``causal_mask`` local holds it through every layer. Input: the token ids (b, q)."""
+    ids = ins[0]
+    q = ids.shape[-1]
+    return Footprint(TensorInfo((sp.Integer(1), sp.Integer(1), q, sp.sympify(node.attr("kv_len"))), BOOL,
+                                requires_grad=False), grads=(None,))
+
+
+@rule("sdpa_float_mask")
+def sdpa_float_mask_rule(node, ins, ctx):
+    """``scaled_dot_product_attention`` handed a boolean ``attn_mask`` (PyTorch's
+    ``convert_boolean_attn_mask`` in ``aten/src/ATen/native/transformers/attention.cpp``):
+    ``at::where(mask, 0, -inf)`` in the query's dtype (autocast's when it runs), of the
+    mask's expanded shape (b, 1, q, T), made before the kernel and freed when SDPA returns
+    (the pass holds it until the attention node). Inputs: the boolean mask, the query
+    (b, a, q, d)."""
+    mask, q = ins
+    dt = ctx.autocast_dtype("scaled_dot_product_attention") or q.dtype
+    return Footprint(TensorInfo((q.shape[0], sp.Integer(1), q.shape[2], mask.shape[-1]), dt, requires_grad=False),
+                     grads=(None, None))
