@@ -1,6 +1,9 @@
-"""Time ``symmem estimate`` as a whole process, as a user waits for it: with the cache of
-derived estimates off (``SYMMEM_NO_CACHE=1``), cold (an empty cache directory: derive and
-store) and warm (the entry there: read it), beside ``python -c "import symmem"`` alone.
+"""Time ``symmem estimate`` as a whole process, as a user waits for it: with the cache off
+(``SYMMEM_NO_CACHE=1``), cold (an empty cache directory: derive and store), warm estimate
+(the derived estimate there, the question new: another batch size each run, so the answer
+is computed from the stored formulas) and warm answer (the same question again: the stored
+answer printed, no sympy imported), beside ``python -c pass`` (the interpreter alone) and
+``python -c "import symmem; symmem.models"`` (the library with sympy and the families).
 
 Run: python benchmarks/bench_cli.py [--runs 5]
 
@@ -40,19 +43,24 @@ def main(argv=None) -> int:
     times: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
-            times.setdefault(("import symmem", ""), []).append(
-                timed([sys.executable, "-c", "import symmem"], base))
+            times.setdefault(("python -c pass", ""), []).append(timed([sys.executable, "-c", "pass"], base))
+            times.setdefault(("import symmem", "with sympy and the families"), []).append(
+                timed([sys.executable, "-c", "import symmem; symmem.models"], base))
             for name, question in QUESTIONS.items():
                 off = {**base, "SYMMEM_NO_CACHE": "1"}
                 cold = {**base, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": f"{tmp}/cold{run}"}
                 warm = {**base, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": f"{tmp}/warm"}
                 if run == 0:
                     timed(SYMMEM + question, warm)           # fill the warm cache once
-                for label, env in (("no cache", off), ("cold cache", cold), ("warm cache", warm)):
-                    times.setdefault((name, label), []).append(timed(SYMMEM + question, env))
-    print(f"{'whole process':<32}{'median':>9}{'min':>9}   ({args.runs} runs)")
+                other = [*question[:question.index("--batch") + 1], str(100 + run),
+                         *question[question.index("--batch") + 2:]]
+                for label, env, cmd in (("no cache", off, question), ("cold cache", cold, question),
+                                        ("warm estimate", warm, other), ("warm answer", warm, question)):
+                    times.setdefault((name, label), []).append(timed(SYMMEM + cmd, env))
+    print(f"{'whole process':<48}{'median':>9}{'min':>9}   ({args.runs} runs; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end)")
     for (name, label), ts in times.items():
-        print(f"{(name + ' ' + label).strip():<32}{statistics.median(ts):>8.2f}s{min(ts):>8.2f}s")
+        print(f"{(name + ' ' + label).strip():<48}{statistics.median(ts):>8.2f}s{min(ts):>8.2f}s")
     return 0
 
 

@@ -9,14 +9,18 @@ block can be left out.
 """
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 from math import comb
 
 import sympy as sp
+from sympy.core import basic as _basic
 
 from .symbols import DIMENSIONS
 
-__all__ = ["provably_nonneg", "monomials", "shifted_coeffs", "dominates", "prune", "samples"]
+__all__ = ["provably_nonneg", "monomials", "shifted_coeffs", "dominates", "prune", "samples",
+           "terms", "substitute", "terms_nonneg", "terms_samples", "product", "total", "sum_of",
+           "merged_terms", "prune_terms", "sort_key"]
 
 
 def provably_nonneg(expr) -> bool:
@@ -37,17 +41,38 @@ def monomials(e, gens) -> dict | None:
     """An expanded polynomial ``e`` as {exponents of ``gens``: Fraction}; None when ``e`` is
     not a polynomial in ``gens`` with rational coefficients. Read off the terms directly
     (sympy's ``Poly`` costs ten times more)."""
+    return _terms(e, gens, laurent=False)
+
+
+def _terms(e, gens, laurent: bool) -> dict | None:
+    """:func:`monomials`, negative integer exponents allowed when ``laurent`` (``h/a``: the
+    exponents (1, -1); a Laurent polynomial, exact at any point where every symbol is >= 1).
+
+    Walks the sum's terms and each term's factors (``Add.make_args``, ``Mul.make_args``):
+    what ``as_coefficients_dict`` and ``as_powers_dict`` return for a sum of monomials, at a
+    fraction of their cost. A factor that is neither a symbol of ``gens`` nor one raised to an
+    integer power (a ceiling, a sum left unexpanded) gives None."""
     index = {g: i for i, g in enumerate(gens)}
     out: dict = {}
-    for term, c in sp.sympify(e).as_coefficients_dict().items():
+    for term in sp.Add.make_args(sp.sympify(e)):
+        c, rest = term.as_coeff_Mul()
         if not c.is_Rational:
             return None
         exps = [0] * len(gens)
-        if term is not sp.S.One:
-            for base, ex in term.as_powers_dict().items():
-                if base not in index or not (ex.is_Integer and ex >= 0):
+        if rest is not sp.S.One:
+            for factor in sp.Mul.make_args(rest):
+                if factor.is_Pow:
+                    base, ex = factor.args
+                    if not ex.is_Integer or (ex < 0 and not laurent):
+                        return None
+                    ex = int(ex)
+                elif factor.is_Number:       # a second number: not a canonical product
                     return None
-                exps[index[base]] += int(ex)
+                else:
+                    base, ex = factor, 1
+                if base not in index:
+                    return None
+                exps[index[base]] += ex
         key = tuple(exps)
         out[key] = out.get(key, 0) + (int(c.p) if c.q == 1 else Fraction(int(c.p), int(c.q)))
     return {k: v for k, v in out.items() if v != 0}
@@ -88,24 +113,31 @@ _POINTS = (lambda n: [2] * n, lambda n: [3 + 2 * i for i in range(n)], lambda n:
 
 
 def _value(poly: dict, point) -> Fraction:
+    """The exact value of a (Laurent) polynomial of :func:`_terms` at integer ``point``."""
     total = 0
     for mono, c in poly.items():
         for x, e in zip(point, mono):
-            if e:
+            if e > 0:
                 c = c * x ** e
+            elif e < 0:
+                c = Fraction(c, x ** -e)
         total += c
     return total
 
 
 def samples(exprs) -> list[tuple]:
     """Each expression's exact value at a few points where every symbol is >= 1: a cheap
-    first test (an expression larger somewhere cannot be dominated there)."""
+    first test (an expression larger somewhere cannot be dominated there). A (Laurent)
+    polynomial is evaluated from its terms with exact integers and fractions; anything else
+    by substitution."""
     exprs = [sp.sympify(e) for e in exprs]
     gens = sorted(set().union(*(e.free_symbols for e in exprs)), key=str)
     points = [f(len(gens)) for f in _POINTS]
     out = []
     for e in exprs:
-        poly = _polynomial(e, gens)
+        poly = _terms(e, gens, laurent=True)
+        if poly is None:
+            poly = _terms(sp.expand(e), gens, laurent=True)
         if poly is None:
             out.append(tuple(e.xreplace(dict(zip(gens, map(sp.Integer, p)))) for p in points))
         else:
@@ -116,35 +148,303 @@ def samples(exprs) -> list[tuple]:
 def prune(exprs: list) -> list[int]:
     """Indices of the expressions no other provably dominates (of equal ones, the first).
     An expression can only be dominated by one at least as large at every sample point, so
-    the coefficients are worked out only for those pairs."""
+    the coefficients are worked out only for those pairs. Only polynomials are compared: one
+    that is not (a ratio such as ``h/a``, a ceiling) is kept and dominates none, so its
+    sample values are never needed."""
     totals = [sp.sympify(e) for e in exprs]
     gens = sorted(set().union(*(t.free_symbols for t in totals)), key=str)
-    polys = [_polynomial(t, gens) for t in totals]
+    return _prune([_polynomial(t, gens) for t in totals], gens)
+
+
+def prune_terms(ds: list) -> list[int] | None:
+    """:func:`prune` of the sums whose :func:`terms` are ``ds`` (None where one is None):
+    a sum with an atom or a negative exponent is not a polynomial, as :func:`prune` finds."""
+    if any(d is None for d in ds):
+        return None
+    gens = sorted(set().union(*map(_symbols, ds)), key=str)
+    index = {g: i for i, g in enumerate(gens)}
+    polys = []
+    for d in ds:
+        poly: dict | None = {}
+        for key, c in d.items():
+            exps = [0] * len(gens)
+            for base, ex in key:
+                if not base.is_Symbol or ex < 0:
+                    poly = None
+                    break
+                exps[index[base]] = ex
+            if poly is None:
+                break
+            poly[tuple(exps)] = c
+        polys.append(poly)
+    return _prune(polys, gens)
+
+
+def _prune(polys: list, gens) -> list[int]:
+    keep = _prune_matrix(polys, gens)
+    if keep is not None:
+        return keep
     points = [f(len(gens)) for f in _POINTS]
-    values = [tuple(_value(q, p) for p in points) if q is not None
-              else tuple(t.xreplace(dict(zip(gens, map(sp.Integer, p)))) for p in points)
-              for q, t in zip(polys, totals)]
+    values = [tuple(_value(q, p) for p in points) if q is not None else None for q in polys]
     coeffs: dict = {}
 
     def coeff(i):
         if i not in coeffs:
-            coeffs[i] = shifted_coeffs(polys[i], gens) if polys[i] is not None else None
+            coeffs[i] = shifted_coeffs(polys[i], gens)
         return coeffs[i]
 
+    comparable = [j for j, q in enumerate(polys) if q is not None]
     keep = []
-    for i in range(len(totals)):
+    for i in range(len(polys)):
         dominated = False
-        for j in range(len(totals)):
-            if j == i or any(x < y for x, y in zip(values[j], values[i])):
-                continue
-            ci, cj = coeff(i), coeff(j)
-            if ci is None:
-                break
-            if cj is None or not dominates(cj, ci):
-                continue
-            if j < i or not dominates(ci, cj):   # strictly larger, or an earlier equal
-                dominated = True
-                break
+        if polys[i] is not None:
+            for j in comparable:
+                if j == i or any(x < y for x, y in zip(values[j], values[i])):
+                    continue
+                ci, cj = coeff(i), coeff(j)
+                if not dominates(cj, ci):
+                    continue
+                if j < i or not dominates(ci, cj):   # strictly larger, or an earlier equal
+                    dominated = True
+                    break
         if not dominated:
             keep.append(i)
     return keep
+
+
+def _prune_matrix(polys: list, gens) -> list[int] | None:
+    """:func:`_prune` with every pair's :func:`dominates` decided at once, as int64 arrays:
+    the shifted coefficients of the polynomials, over the union of their monomials (a
+    missing one 0), times the common denominator of the fractions among them, so that j
+    dominates i where row j >= row i in every column. The same decisions: the samples only
+    skip pairs that cannot dominate (a polynomial with no negative shifted coefficient is
+    >= 0 at every sample point), and whether i is dominated (by a j that dominates it and is
+    earlier, or that it does not dominate back) does not depend on the order of the j.
+    None when a coefficient would not fit in int64 exactly: the pairs are then compared one
+    by one."""
+    import numpy as np
+    from math import lcm
+    comparable = [i for i, q in enumerate(polys) if q is not None]
+    if len(comparable) < 2:
+        return None
+    coeffs = [shifted_coeffs(polys[i], gens) for i in comparable]
+    monos = {m: k for k, m in enumerate(dict.fromkeys(m for c in coeffs for m in c))}
+    den = 1
+    for c in coeffs:
+        for v in c.values():
+            if not isinstance(v, int):
+                den = lcm(den, v.denominator)
+    limit = 1 << 62
+    table = np.zeros((len(coeffs), len(monos)), dtype=np.int64)
+    for r, c in enumerate(coeffs):
+        for m, v in c.items():
+            v = int(v * den)
+            if not -limit < v < limit:
+                return None
+            table[r, monos[m]] = v
+    n = len(comparable)
+    dom = np.empty((n, n), dtype=bool)          # dom[j, i]: row j dominates row i
+    for i in range(n):
+        dom[:, i] = (table >= table[i]).all(axis=1)
+    earlier = np.tril(np.ones((n, n), dtype=bool), -1).T    # earlier[j, i]: j < i
+    beaten = dom & (earlier | ~dom.T)
+    np.fill_diagonal(beaten, False)
+    dominated = {comparable[i] for i in np.flatnonzero(beaten.any(axis=0))}
+    return [i for i in range(len(polys)) if i not in dominated]
+
+
+# ----- sums of products, as dictionaries ----------------------------------------------------
+# The counter compares many points, each an expanded sum of products of symbols (and, with a
+# tiled attention kernel, of ceilings). Kept as {frozenset of (base, exponent): coefficient},
+# they are substituted, subtracted and sampled with Python's integers, giving what sympy's
+# xreplace, expand and subtraction of the same expressions give (exact arithmetic both).
+
+@functools.lru_cache(maxsize=1 << 16)
+def terms(e) -> dict | None:
+    """An expanded sum ``e`` as {frozenset((base, exponent), ...): coefficient}, a base a
+    symbol or an atom such as ``ceiling(s/128)``, each exponent a (possibly negative)
+    integer, each coefficient an int or Fraction; None when a coefficient is not rational, an
+    exponent not an integer or a factor a sum (not expanded). Kept per expression (the
+    points of a step share most of their parts): the dictionary returned is not to be
+    changed."""
+    out: dict = {}
+    for term in sp.Add.make_args(e):
+        if term.is_Mul:                   # canonical: the number first, if any
+            args = term.args
+            c, factors = (args[0], args[1:]) if args[0].is_Number else (sp.S.One, args)
+        elif term.is_Number:
+            c, factors = term, ()
+        else:
+            c, factors = sp.S.One, (term,)
+        if not c.is_Rational:
+            return None
+        key = []
+        for factor in factors:
+            base, ex = factor.args if factor.is_Pow else (factor, sp.S.One)
+            if not ex.is_Integer or base.is_Number or base.is_Add or base.is_Mul or base.is_Pow:
+                return None
+            key.append((base, int(ex)))
+        key = frozenset(key)
+        out[key] = out.get(key, 0) + (int(c.p) if c.q == 1 else Fraction(int(c.p), int(c.q)))
+    return {k: v for k, v in out.items() if v != 0}
+
+
+def substitute(d: dict, x, value: int) -> dict | None:
+    """:func:`terms` ``d`` with the symbol ``x`` set to the integer ``value`` (None when an atom
+    holds ``x``: the caller substitutes the expression instead)."""
+    out: dict = {}
+    for key, c in d.items():
+        rest = []
+        for base, ex in key:
+            if base is x or (base.is_Symbol and base == x):
+                c = c * value ** ex if ex > 0 else Fraction(c, value ** -ex)
+            elif not base.is_Symbol and x in base.free_symbols:
+                return None
+            else:
+                rest.append((base, ex))
+        rest = frozenset(rest)
+        out[rest] = out.get(rest, 0) + c
+    return {k: v for k, v in out.items() if v != 0}
+
+
+def _symbols(d: dict) -> set:
+    return set().union(*(base.free_symbols for key in d for base, _ in key))
+
+
+def _expr(d: dict) -> sp.Expr:
+    """The sympy expression of :func:`terms` ``d`` (the same canonical sum sympy builds)."""
+    return total([product(c, [base if ex == 1 else base ** ex for base, ex in key]) for key, c in d.items()])
+
+
+_KEYS: dict = {}
+
+
+def sort_key(e) -> tuple:
+    """A key that orders sympy objects as ``Basic.compare`` does (the order ``Add`` and ``Mul``
+    keep their arguments in: ``_addsort``, ``_mulsort``), computed once per object: the class
+    (its place in ``ordering_of_classes``, else its name, as ``_cmp_name``), then the length
+    of the hashable content, then its items (objects by their keys, other values as they
+    are). Python compares the tuples in ``compare``'s order, without its calls per pair."""
+    key = _KEYS.get(e)
+    if key is None:
+        name = type(e).__name__
+        try:
+            rank = (_basic.ordering_of_classes.index(name), "")
+        except ValueError:
+            rank = (len(_basic.ordering_of_classes) + 1, name)
+        content = e._hashable_content()
+        items = []
+        for x in content:
+            if isinstance(x, sp.Basic):
+                items.append(sort_key(x))
+            elif isinstance(x, frozenset):
+                raise TypeError("sort_key: a frozenset in the hashable content")
+            else:
+                items.append(x)
+        key = (rank, len(content), tuple(items))
+        if len(_KEYS) < 1 << 16:
+            _KEYS[e] = key
+    return key
+
+
+def _sorted(args: list) -> list:
+    try:
+        return sorted(args, key=sort_key)
+    except TypeError:                     # content sort_key does not mirror: sympy's own order
+        from sympy.core.basic import _args_sortkey
+        return sorted(args, key=_args_sortkey)
+
+
+def product(c, factors: list) -> sp.Expr:
+    """``sympy.Mul(c, *factors)`` for a rational ``c`` (int or Fraction) and factors that are
+    symbols, atoms or their integer powers, no two of the same base: the arguments put in
+    the order ``Mul`` puts them (the number first, the rest by ``Basic.compare``) without
+    its general flattening, which costs most when formulas are built term by term."""
+    if c == 0:
+        return sp.S.Zero
+    coeff = sp.Integer(c) if isinstance(c, int) else sp.Rational(c.numerator, c.denominator)
+    args = _sorted(factors)
+    if coeff is not sp.S.One:
+        args.insert(0, coeff)
+    return sp.Mul._from_args(args, True)
+
+
+def total(products: list) -> sp.Expr:
+    """``sympy.Add(*products)`` for products of :func:`product` with no two alike (no two of
+    the same factors): the number first, the rest by ``Basic.compare``, as ``Add`` orders
+    them, without its general flattening."""
+    numbers = [p for p in products if p.is_Number]
+    if len(numbers) > 1:
+        return sp.Add(*products)
+    args = _sorted([p for p in products if not p.is_Number])
+    if numbers and numbers[0] is not sp.S.Zero:
+        args.insert(0, numbers[0])
+    return sp.Add._from_args(args, True)
+
+
+def terms_nonneg(d: dict) -> bool:
+    """:func:`provably_nonneg` of the sum :func:`terms` ``d`` stands for. A term with an atom
+    (a ceiling) cannot be proven so: False, as :func:`provably_nonneg` finds; a polynomial is
+    decided here; a ratio (negative exponents) by :func:`provably_nonneg` itself."""
+    if any(not base.is_Symbol for key in d for base, _ in key):
+        return False
+    if any(ex < 0 for key in d for _, ex in key):
+        return provably_nonneg(_expr(d))
+    gens = sorted(_symbols(d), key=str)
+    index = {g: i for i, g in enumerate(gens)}
+    poly = {}
+    for key, c in d.items():
+        exps = [0] * len(gens)
+        for base, ex in key:
+            exps[index[base]] = ex
+        poly[tuple(exps)] = c
+    return all(c >= 0 for c in shifted_coeffs(poly, gens).values())
+
+
+def terms_samples(ds: list) -> list[tuple]:
+    """:func:`samples` of the sums :func:`terms` ``ds`` stand for: the same points (over the
+    sorted union of their symbols), the same exact values."""
+    gens = sorted(set().union(*map(_symbols, ds)), key=str)
+    points = [dict(zip(gens, f(len(gens)))) for f in _POINTS]
+    atoms: dict = {}
+
+    def value(base, point, i):
+        if base.is_Symbol:
+            return point[base]
+        if (base, i) not in atoms:
+            v = base.xreplace({g: sp.Integer(v) for g, v in point.items()})
+            atoms[base, i] = int(v) if v.is_Integer else Fraction(int(v.p), int(v.q)) if v.is_Rational else v
+        return atoms[base, i]
+
+    monos: dict = {}              # (key, point) -> the product's value there
+
+    def mono(key, i):
+        if (key, i) not in monos:
+            v = 1
+            for base, ex in key:
+                x = value(base, points[i], i)
+                v = v * x ** ex if ex > 0 else (Fraction(v, x ** -ex) if isinstance(x, int) else v / x ** -ex)
+            monos[key, i] = v
+        return monos[key, i]
+
+    return [tuple(sum(c * mono(key, i) for key, c in d.items()) for i in range(len(points))) for d in ds]
+
+
+def merged_terms(parts) -> dict | None:
+    """The :func:`terms` of the sum of ``parts`` (each an expanded sum), their like terms
+    merged as ``Add`` merges them; None when a part is not a sum of products."""
+    merged: dict = {}
+    for part in parts:
+        d = terms(part)
+        if d is None:
+            return None
+        for key, c in d.items():
+            merged[key] = merged.get(key, 0) + c
+    return {k: v for k, v in merged.items() if v != 0}
+
+
+def sum_of(parts) -> sp.Expr:
+    """``sympy.Add(*parts)`` of expanded sums, built from :func:`merged_terms` with
+    :func:`product` and :func:`total` (the same expression, a fraction of the cost)."""
+    merged = merged_terms(parts)
+    return sp.Add(*parts) if merged is None else _expr(merged)

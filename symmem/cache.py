@@ -17,17 +17,28 @@ written leaves the cache off for that run, silently: caching is an optimisation 
 
 Like every pickle, an entry runs code when loaded: the cache directory must be yours alone,
 as the default one is.
+
+**Answers.** A command's output is a function of its arguments, the files it reads, symmem's
+code and the libraries that compute it (sympy, numpy). For ``estimate``, ``infer``,
+``max-batch`` and ``solve`` without ``--config`` (so no file is read: a preset and numbers),
+the printed answer is stored too, keyed by the arguments as typed, symmem's version and
+source bytes and the installed sympy's and numpy's files; :func:`replay` prints a stored
+answer without importing sympy, the engine or a model family (``python -m symmem`` asks it
+first). A question asked another way (another batch, another spelling) is a miss there and
+reads the estimate entry instead: the derivation is skipped, the evaluation is not. Only a
+successful run with nothing on standard error is stored. An answer is plain text under a
+checksum, not a pickle.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
-import pickle
 import sys
 from pathlib import Path
 
-__all__ = ["cache_dir", "fingerprint", "cached_estimate", "store", "clear"]
+__all__ = ["cache_dir", "fingerprint", "cached_estimate", "store", "clear", "answer_key", "replay",
+           "recording"]
 
 _MAGIC = b"symmem-estimate-1\n"
 
@@ -94,6 +105,7 @@ def _read(path: Path, key: str):
     digest, stored, payload = blob[len(_MAGIC):len(_MAGIC) + 32], blob[len(_MAGIC) + 32:head], blob[head:]
     if stored != key.encode() or hashlib.sha256(payload).digest() != digest:
         return None
+    import pickle              # here: a stored answer (replay) needs none
     try:
         return pickle.loads(payload)
     except Exception:          # a class that changed shape, a truncated stream: derive afresh
@@ -101,11 +113,18 @@ def _read(path: Path, key: str):
 
 
 def _write(path: Path, key: str, est) -> None:
+    import pickle
     payload = pickle.dumps(est, protocol=pickle.HIGHEST_PROTOCOL)
+    _write_blob(path, _MAGIC + hashlib.sha256(payload).digest() + key.encode() + payload)
+
+
+def _write_blob(path: Path, blob: bytes) -> None:
+    """``blob`` into ``path`` through a temporary file renamed into place; silently nothing
+    where the directory cannot be written."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(_MAGIC + hashlib.sha256(payload).digest() + key.encode() + payload)
+        tmp.write_bytes(blob)
         os.replace(tmp, path)
     except OSError:            # a read-only or full disk: the cache is an optimisation only
         try:
@@ -144,12 +163,130 @@ def store() -> None:
 
 
 def clear() -> int:
-    """Remove every entry of the cache; the number removed."""
+    """Remove every entry of the cache, the stored answers with them; the number of derived
+    estimates removed (an answer is a copy of what a command printed from one)."""
     where = cache_dir()
     if where is None or not where.is_dir():
         return 0
+    for path in where.glob("answers/*.txt"):
+        path.unlink(missing_ok=True)
     gone = 0
     for path in where.glob("*.pickle"):
         path.unlink(missing_ok=True)
         gone += 1
     return gone
+
+
+# ----- answers ------------------------------------------------------------------------------
+#: the commands whose printed answer is stored (their output depends on nothing but the
+#: arguments once no file is named)
+ANSWERED = ("estimate", "infer", "max-batch", "solve")
+_ANSWER_MAGIC = b"symmem-answer-1\n"
+
+
+def _stamp(package: str) -> str:
+    """Where an installed library lives and when its files were written (a new version, an
+    upgrade in place: a new stamp), found without importing it."""
+    from importlib.util import find_spec
+    try:
+        spec = find_spec(package)
+    except (ImportError, ValueError):
+        return f"{package}: none"
+    if spec is None or not spec.origin:
+        return f"{package}: none"
+    try:
+        st = os.stat(spec.origin)
+    except OSError:
+        return f"{package}: {spec.origin}"
+    return f"{package}: {spec.origin} {st.st_size} {st.st_mtime_ns}"
+
+
+def answer_key(argv: list[str]) -> str | None:
+    """The key of the answer to ``argv`` (the command line's arguments), or None when the
+    answer is not stored: another command, or a ``--config`` (or an abbreviation of it) that
+    names a file whose contents the key would not see."""
+    if not argv or argv[0] not in ANSWERED:
+        return None
+    for tok in argv[1:]:
+        name = tok.split("=", 1)[0]
+        if len(name) > 2 and name.startswith("--") and "--config".startswith(name):
+            return None
+    terms = (_code_digest(), sys.version, _stamp("sympy"), _stamp("numpy"), tuple(argv))
+    return hashlib.sha256(repr(terms).encode()).hexdigest()
+
+
+def _answer_path(key: str) -> Path | None:
+    where = cache_dir()
+    return None if where is None else where / "answers" / f"{key}.txt"
+
+
+def replay(argv: list[str]) -> int | None:
+    """Print the stored answer to ``argv`` and return the exit status 0; None when there is
+    none (the cache off, a command not answered so, no entry, or one not sound)."""
+    key = answer_key(argv) if cache_dir() is not None else None
+    path = None if key is None else _answer_path(key)
+    if path is None:
+        return None
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    head = len(_ANSWER_MAGIC) + 32 + 64
+    digest, stored, payload = blob[len(_ANSWER_MAGIC):len(_ANSWER_MAGIC) + 32], \
+        blob[len(_ANSWER_MAGIC) + 32:head], blob[head:]
+    if not blob.startswith(_ANSWER_MAGIC) or stored != key.encode() \
+            or hashlib.sha256(payload).digest() != digest:
+        return None
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return 0
+
+
+class _Tee:
+    """A text stream that writes through to ``stream`` and keeps a copy."""
+
+    def __init__(self, stream):
+        self.stream, self.parts = stream, []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):          # flush, encoding, isatty, fileno, ...
+        return getattr(self.stream, name)
+
+
+class recording:
+    """``with recording(argv) as rec: ...; rec.status = status``: what the command prints is
+    stored as the answer to ``argv`` when it ends with status 0 and printed nothing on
+    standard error (a warning, a progress bar) and the streams were left in place."""
+
+    def __init__(self, argv: list[str]):
+        self.key = answer_key(argv) if cache_dir() is not None else None
+        self.status = None
+
+    def __enter__(self):
+        if self.key is not None:
+            self.out, self.err = _Tee(sys.stdout), _Tee(sys.stderr)
+            self.saved = sys.stdout, sys.stderr
+            sys.stdout, sys.stderr = self.out, self.err
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if self.key is None:
+            return False
+        intact = sys.stdout is self.out and sys.stderr is self.err
+        if intact:
+            sys.stdout, sys.stderr = self.saved
+        else:                             # the command replaced a stream (a closed pipe)
+            sys.stderr = self.saved[1]
+        if kind is None and intact and self.status == 0 and not self.err.parts:
+            path = _answer_path(self.key)
+            if path is not None:
+                payload = "".join(self.out.parts).encode("utf-8")
+                _write_blob(path, _ANSWER_MAGIC + hashlib.sha256(payload).digest() + self.key.encode() + payload)
+        return False

@@ -23,10 +23,11 @@ there, or ``count`` gets a lower bound (a requirement, checked where formulas ar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import sympy as sp
 
-from .bounds import provably_nonneg, samples
+from .bounds import merged_terms, provably_nonneg, samples, substitute, sum_of, terms_nonneg, terms_samples
 from .requirements import Requirement
 from .plan import (AUTOGRAD, CHECKPOINT, ROLES, Alloc, Begin, Compute, End, Free, Mark, Plan,
                    Release, flat)
@@ -46,9 +47,16 @@ class Point:
     iteration: str = ""   # "first", "second", "second to last", "last" inside a repeated block
     micro: str = ""       # the micro-batch, under gradient accumulation
 
-    @property
+    @cached_property
     def total(self) -> sp.Expr:
-        return sp.Add(*(e for _, e in self.parts))
+        """The live bytes of every role, summed (``Add`` of the parts, built from their terms:
+        :func:`~symmem.bounds.sum_of`); kept, not pickled."""
+        return sum_of([e for _, e in self.parts])
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("total", None)
+        return state
 
     @property
     def where(self) -> str:
@@ -326,17 +334,29 @@ class _Walk:
     def _harmless(n, c, m, cands, walked) -> bool:
         """At each count k <= c: is every point of the segment (which has no iteration then)
         at most some point of the block's other segments (the same node first)? The count is
-        a symbol or an expression in one (``L - N``, ``L/K``)."""
+        a symbol or an expression in one (``L - N``, ``L/K``).
+
+        Where the count is the symbol plus a whole number (``L``, ``L - 1``) and every point a
+        sum of products (:func:`~symmem.bounds.terms`), the points are substituted, sampled and
+        compared as dictionaries of terms: the same exact numbers as sympy's, without building
+        an expression per point and count."""
         if len(n.free_symbols) != 1:
             return False
         (x,) = n.free_symbols
+        shift = n - x
+        mine = [p for p, _ in cands]
+        if shift.is_Integer:
+            every = {id(p): merged_terms([e for _, e in p.parts]) for _, cs in walked for p, _ in cs}
+            if all(d is not None for d in every.values()):
+                found = _harmless_terms(x, int(shift), c, walked, mine, every)
+                if found is not None:
+                    return found
         for k in range(1, c + 1):
             roots = sp.solve(sp.Eq(n, k), x)
             if len(roots) != 1:
                 return False
             at = {x: roots[0]}
             real = [p for mm, cs in walked if sp.sympify(mm).xreplace(at) >= 1 for p, _ in cs]
-            mine = [p for p, _ in cands]
             exprs = [sp.expand(p.total.xreplace(at)) for p in real + mine]
             value = dict(zip(map(id, real + mine), exprs))
             sample = dict(zip(map(id, real + mine), samples(exprs)))
@@ -347,6 +367,40 @@ class _Walk:
                 if not any(provably_nonneg(value[id(q)] - value[id(p)]) for q in tries):
                     return False
         return True
+
+
+def _harmless_terms(x, shift: int, c: int, walked, mine, every: dict) -> bool | None:
+    """:meth:`_Walk._harmless` for a count ``x + shift``, each point's total given as
+    :func:`~symmem.bounds.terms` in ``every`` (by ``id``). sympy's solve of ``x + shift = k``
+    finds the one root ``k - shift`` when it is a positive integer (``x`` is one), none
+    otherwise. None when an atom of a point (a ceiling) holds ``x``: no shortcut then."""
+    for k in range(1, c + 1):
+        root = k - shift
+        if root < 1:
+            return False
+        at = {x: sp.Integer(root)}
+        real = [p for mm, cs in walked if sp.sympify(mm).xreplace(at) >= 1 for p, _ in cs]
+        value = {}
+        for p in real + mine:
+            d = substitute(every[id(p)], x, root)
+            if d is None:            # an atom holds the count: no shortcut
+                return None
+            value[id(p)] = d
+        sample = dict(zip(map(id, real + mine), terms_samples([value[id(p)] for p in real + mine])))
+        for p in mine:
+            same = [q for q in real if q.phase == p.phase and q.node == p.node]
+            others = [q for q in real if q.phase == p.phase and q not in same]
+            tries = [q for q in same + others if all(x >= y for x, y in zip(sample[id(q)], sample[id(p)]))]
+            if not any(terms_nonneg(_minus(value[id(q)], value[id(p)])) for q in tries):
+                return False
+    return True
+
+
+def _minus(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key, v in b.items():
+        out[key] = out.get(key, 0) - v
+    return {k: v for k, v in out.items() if v != 0}
 
 
 def _signature(body) -> tuple:

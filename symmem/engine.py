@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .graph import Graph
 from .policy import Policy
 from .policy.attention import resolve
-from .bounds import provably_nonneg, prune
+from .bounds import merged_terms, product, provably_nonneg, prune, prune_terms, terms, total
 from .counter import Point, Timeline, count
 from . import passes
 from .lowering import lower
@@ -35,9 +35,48 @@ def canonical(expr) -> sp.Expr:
     """Expanded, then collected on L, b, s (in that order): the form symmem prints. Each
     term goes under the power of the first of L, b, s it has, as ``sympy.collect(expr,
     [L, b, s])`` puts it (the same expression, built directly: collect costs ten times more)."""
+    d = terms(expr)
+    if d is None or any(not base.is_Symbol for key in d for base, _ in key):
+        # not yet a sum of products of symbols (expand it), or one holding an atom such as
+        # ceiling(s/128), which expand rewrites inside; a sum of products of symbols it leaves
+        expr = sp.expand(expr)
+        d = terms(expr)
+        if d is None:
+            return _canonical(expr)
+    return _collect(d)
+
+
+def _point_canonical(p: Point) -> sp.Expr:
+    """``canonical(p.total)``, from the terms of the point's parts where they are products
+    of symbols (no sum built first)."""
+    d = merged_terms([e for _, e in p.parts])
+    if d is None or any(not base.is_Symbol for key in d for base, _ in key):
+        return canonical(p.total)
+    return _collect(d)
+
+
+def _collect(d: dict) -> sp.Expr:
+    """The canonical form of the sum of products of symbols :func:`~symmem.bounds.terms` ``d``."""
     groups: dict = {}
     rest = []
-    for term in sp.Add.make_args(sp.expand(expr)):
+    for key, c in d.items():
+        factors = dict(key)
+        for x in (L, b, s):
+            k = factors.pop(x, 0)
+            if k:
+                groups.setdefault(x ** k, []).append(product(c, [base if ex == 1 else base ** ex
+                                                                 for base, ex in factors.items()]))
+                break
+        else:
+            rest.append(product(c, [base if ex == 1 else base ** ex for base, ex in factors.items()]))
+    return total([sp.Mul(key, total(terms)) for key, terms in groups.items()] + rest)
+
+
+def _canonical(expr) -> sp.Expr:
+    """:func:`canonical` of an expanded expression that is not a sum of products of powers."""
+    groups: dict = {}
+    rest = []
+    for term in sp.Add.make_args(expr):
         powers = term.as_powers_dict()
         for x in (L, b, s):
             k = powers.get(x, 0)
@@ -51,7 +90,10 @@ def canonical(expr) -> sp.Expr:
 
 def _prune(points: list[Point]) -> list[Point]:
     """Drop points that another point provably dominates (of equal ones, keep the first)."""
-    return [points[i] for i in prune([p.total for p in points])]
+    keep = prune_terms([merged_terms([e for _, e in p.parts]) for p in points])
+    if keep is None:
+        keep = prune([p.total for p in points])
+    return [points[i] for i in keep]
 
 
 #: Bytes from which int64 arithmetic may have wrapped (or float64 rounded): points whose
@@ -239,7 +281,7 @@ class Estimate:
     def candidates(self) -> tuple[sp.Expr, ...]:
         """The non-dominated points' live bytes, each canonical, without repeats (in order):
         the arguments of :attr:`peak`."""
-        return tuple(dict.fromkeys(canonical(p.total) for p in self.points))
+        return tuple(dict.fromkeys(_point_canonical(p) for p in self.points))
 
     @cached_property
     def peak(self) -> sp.Expr:

@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import networkx as nx
 import sympy as sp
 
 from .errors import ConfigError, ShapeError
 from .requirements import Requirement
 from .symbols import B_w
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = ["Param", "Node", "Repeat", "Graph", "Requirement"]
 
@@ -526,8 +528,9 @@ class Graph:
         g.require(k, rep.count, f"the block {block!r} is recomputed {k} layers at a time", kind="divides")
         return g
 
-    def to_networkx(self) -> nx.DiGraph:
+    def to_networkx(self) -> "nx.DiGraph":
         """A DiGraph of values; a Repeat appears as one node with its body attached."""
+        import networkx as nx      # only here: importing it costs a tenth of a second
         G = nx.DiGraph(name=self.name)
         for item in self.items:
             if isinstance(item, Repeat):

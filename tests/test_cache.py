@@ -108,3 +108,70 @@ def test_the_command_line_uses_the_cache(on):
     warm = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     assert warm == cold
     assert cache.clear() == 1 and not list(on.glob("*.pickle"))
+
+
+# ----------------------------------------------------------------------------- answers
+
+QUESTION = ["estimate", "--model", "gpt2", "--batch", "4", "--seq", "512", "--precision", "bf16-mixed"]
+
+
+def _run(argv, env, probe=False):
+    """``python -m symmem argv`` (with ``probe``: through symmem.__main__.main in-process, then
+    whether sympy was imported, on the last line)."""
+    if not probe:
+        return subprocess.run([sys.executable, "-m", "symmem", *argv], capture_output=True, text=True, env=env)
+    code = ("import sys; from symmem.__main__ import main; rc = main(sys.argv[1:]); "
+            "print('SYMPY' if 'sympy' in sys.modules else 'NO SYMPY'); sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env)
+
+
+def test_the_answer_key():
+    key = cache.answer_key(QUESTION)
+    assert len(key) == 64 and key == cache.answer_key(list(QUESTION))
+    assert cache.answer_key(QUESTION[:-1] + ["fp32"]) != key
+    for argv in (["sweep", "--model", "gpt2"], ["report", "--model", "gpt2"], ["models"], [],
+                 ["estimate", "--config", "c.json"], ["estimate", "--config=c.json"],
+                 ["estimate", "--conf", "c.json"], ["max-batch", "--co=c.json"]):
+        assert cache.answer_key(argv) is None, argv
+
+
+def test_the_answer_key_changes_with_the_code(monkeypatch):
+    key = cache.answer_key(QUESTION)
+    monkeypatch.setattr(cache, "_code_digest", lambda: "another version")
+    assert cache.answer_key(QUESTION) != key
+
+
+def test_an_answer_is_replayed_without_sympy(on):
+    env = {**os.environ, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": str(on)}
+    cold = _run(QUESTION, env, probe=True)
+    assert cold.returncode == 0 and cold.stdout.endswith("SYMPY\n") and not cold.stdout.endswith("NO SYMPY\n")
+    assert len(list(on.glob("answers/*.txt"))) == 1
+    warm = _run(QUESTION, env, probe=True)
+    assert warm.returncode == 0 and warm.stdout.endswith("NO SYMPY\n")
+    assert warm.stdout[:-len("NO SYMPY\n")] == cold.stdout[:-len("SYMPY\n")]
+    # another batch: a miss of the answers, a hit of the estimate (one pickle still)
+    other = _run(QUESTION[:4] + ["8"] + QUESTION[5:], env)
+    assert other.returncode == 0 and other.stdout != warm.stdout
+    assert len(list(on.glob("*.pickle"))) == 1 and len(list(on.glob("answers/*.txt"))) == 2
+
+
+def test_a_damaged_answer_is_not_trusted(on):
+    env = {**os.environ, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": str(on)}
+    good = _run(QUESTION, env).stdout
+    (path,) = on.glob("answers/*.txt")
+    blob = bytearray(path.read_bytes())
+    blob[-5] ^= 0x01                       # one character of the stored answer changed
+    path.write_bytes(bytes(blob))
+    again = _run(QUESTION, env, probe=True)
+    assert again.stdout == good + "SYMPY\n"          # derived (read the estimate) again
+    assert _run(QUESTION, env).stdout == good         # and stored afresh
+
+
+def test_failures_and_the_off_switch_store_no_answer(on, tmp_path):
+    env = {**os.environ, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": str(on)}
+    bad = _run(["estimate", "--model", "gpt-3", "--batch", "1", "--seq", "8"], env)
+    assert bad.returncode == 1 and "gpt-3" in bad.stderr
+    assert not list(on.glob("answers/*.txt"))
+    off = {**env, "SYMMEM_NO_CACHE": "1", "SYMMEM_CACHE_DIR": str(tmp_path / "off")}
+    assert _run(QUESTION, off).returncode == 0
+    assert not (tmp_path / "off").exists()

@@ -160,3 +160,51 @@ def test_presentation_is_a_leaf_of_the_computation():
     assert graph["symmem.units"] == set()
     assert graph["symmem.errors"] <= {"symmem.units"}
     assert graph["symmem.printing"] <= {"symmem.symbols", "symmem.units"}
+
+
+# ----------------------------------------------------------------------------- import cost
+
+def _modules_after(code: str) -> set[str]:
+    """The top-level packages in sys.modules after running ``code`` in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+    root = str(Path(__file__).resolve().parents[1])
+    probe = code + "\nimport sys; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": root}, cwd=root).stdout
+    return set(out.split())
+
+
+def test_import_symmem_imports_nothing_heavy():
+    """``import symmem`` is lazy (PEP 562): sympy, numpy and the rest come with the first name used."""
+    loaded = _modules_after("import symmem")
+    assert not loaded & {"sympy", "numpy", "networkx", "torch", "matplotlib", "jinja2"}, loaded
+
+
+def test_deriving_imports_no_plotting_graphs_or_torch():
+    loaded = _modules_after("import symmem as sm\nsm.estimate('gpt2', sm.Policy('bf16-mixed', 'adamw'))")
+    assert "sympy" in loaded
+    assert not loaded & {"networkx", "torch", "matplotlib", "jinja2"}, loaded
+
+
+def test_the_lazy_names_are_the_modules_own():
+    import symmem
+    from symmem import Policy, engine, errors, graph, models, rules, symbols
+    assert symmem.estimate is engine.estimate and symmem.Estimate is engine.Estimate
+    assert Policy is symmem.policy.Policy and symmem.rule is rules.rule
+    assert symmem.models is models and symmem.symbols is symbols and symmem.Graph is graph.Graph
+    assert symmem.ConfigError is errors.ConfigError
+    assert set(symmem.__all__) <= set(dir(symmem))
+    assert all(hasattr(symmem, name) for name in symmem.__all__)
+    try:
+        symmem.no_such_name
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
+
+
+def test_to_networkx_imports_networkx_when_asked():
+    loaded = _modules_after("import symmem as sm\nsm.models.preset('gpt2').to_networkx()")
+    assert "networkx" in loaded
