@@ -140,7 +140,17 @@ def cached(precision, optimizer, device, act):
     return ESTIMATES[key]
 
 
-settings_ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EVALUATORS = {}
+
+
+def evaluator(est):
+    """One compiled evaluator per estimate (compiling it is most of an example's time)."""
+    if id(est) not in EVALUATORS:
+        EVALUATORS[id(est)] = est.evaluator("b", "s", "a", "h", "L", "V", "s_max")
+    return EVALUATORS[id(est)]
+
+
+settings_ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
@@ -163,7 +173,7 @@ def problems(draw):
 def test_max_batch_equals_brute_force(problem):
     est, model, seq, budget = problem
     sol = max_batch(est, budget, s=seq, reserve=0, **model)
-    f = est.evaluator("b", "s", "a", "h", "L", "V", "s_max")
+    f = evaluator(est)
     bs = np.arange(1, 2000)
     peaks = f(b=bs, s=seq, **model)
     fits = peaks <= budget
