@@ -1,0 +1,284 @@
+"""Measure a distributed training step per rank: the oracle for data, sharded and tensor parallelism.
+
+:func:`distributed_step` runs one training iteration in ``world_size`` processes on the CPU
+(``torch.distributed`` with the gloo backend, ``MASTER_ADDR`` 127.0.0.1 and a free port) and
+returns, per rank, what :func:`symmem.measure.training_step` returns for one process -- the
+peak, its phase, live bytes after every operator -- and the bytes of the rank's parameters,
+gradients, optimizer states and communication buffers. The caller's ``setup(rank, world_size)``
+builds and wraps the model (``DistributedDataParallel``, ``fully_shard``,
+``parallelize_module``) inside the process group, so any wrapping is measured as it runs.
+
+What the storage tracker (a ``TorchDispatchMode``, thread-local) sees, and what not:
+
+* **Collectives** are dispatcher operators (``c10d.allreduce_``, ``c10d.broadcast_``,
+  ``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ...): their input and output
+  tensors are seen and counted like any operator's. Gloo then runs the algorithm on its own
+  worker thread with its own scratch memory (``gloo::allreduce`` keeps ring segments in
+  ``std::unique_ptr<char[]>`` buffers, not ATen storages): host memory outside PyTorch's
+  allocator, never on the accelerator, and invisible to the tracker. On the CPU the peak
+  measured here is therefore the tensors' bytes, not the process's resident memory.
+* **DDP's gradient buckets** are allocated in C++ by ``Reducer::initialize_buckets``
+  (``torch/csrc/distributed/c10d/reducer.cpp``: one flat ``at::empty`` per bucket, the sum of
+  its parameters' sizes) when DDP is built, and again, in gradient-ready order, by
+  ``Reducer::rebuild_buckets`` in the *second* iteration's forward. The reducer exposes no
+  tensor of them to Python, and the tracker would only meet a bucket when the backward first
+  writes into it (``mul_out`` of the gradient by ``1/world_size`` into the bucket view). Here
+  the tracked iteration is the third (after the rebuild); in the second, a recording dispatch
+  mode keeps the tensors handed to ``c10d.allreduce_`` -- the reducer all-reduces each bucket
+  as one flat tensor -- and they are registered at the start of the tracked iteration like
+  the parameters. The tracked iteration checks that the reducer all-reduces exactly these
+  storages again (otherwise :class:`MeasureError`). With ``gradient_as_bucket_view=True``
+  the gradients *are* views of the buckets (one storage each bucket); with False they are
+  separate tensors copied out of the buckets after the all-reduce.
+* **FSDP2** (``torch.distributed.fsdp.fully_shard``) keeps each parameter as a ``DTensor``
+  whose local shard is a view of a padded flat tensor (dim 0 padded to a multiple of the
+  world size); it all-gathers each unit into a new ``world_size``-times-larger flat tensor
+  (``foreach_all_gather``: ``all_gather_copy_in`` then ``c10d._allgather_base_``) and copies
+  it out into the unsharded parameters (``split_with_sizes_copy``), and reduce-scatters the
+  gradients from a flat ``chunk_cat`` tensor into a new shard. All of it goes through the
+  dispatcher on the calling thread and is counted. A ``DTensor`` (or any traceable wrapper
+  subclass) has no storage of its own: the tracker counts the storages of its inner tensors.
+  Operators a ``DTensor`` runs on its local tensors inside its own dispatch are not seen one
+  by one (a mode handles the ``DTensor``-level operator with itself switched off); their
+  results are, once wrapped in the output.
+
+What CUDA and NCCL do differently (from PyTorch's sources): NCCL allocates its own
+communication buffers (``NCCL_BUFFSIZE``, 4 MiB per channel and peer by default) with
+``cudaMalloc`` outside PyTorch's caching allocator, so neither this tracker nor
+``torch.cuda.max_memory_allocated`` sees them (``nvidia-smi`` does); NCCL runs in place on
+the tensors it is given, so no host copy exists. ``ProcessGroupNCCL`` records the tensors of a
+collective on its stream (``recordStream``) so the caching allocator does not reuse their
+blocks until the collective finishes: a freed bucket or all-gather output can stay reserved a
+little longer than its last use. FSDP2 on CUDA runs the all-gather and the reduce-scatter on
+separate streams and, with ``reshard_after_forward`` and prefetching, can hold the next unit's
+all-gathered parameters beside the current one's; gloo on the CPU runs them synchronously, so
+at most the unit being computed is gathered here. DDP on CUDA uses the same reducer and the
+same buckets (one flat tensor per bucket, on the device).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+try:
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("symmem.measure_dist needs PyTorch: pip install 'symmem[torch]'") from exc
+
+from symmem.errors import SymmemError
+from symmem.measure import StepReport, _inner_tensors, _storage, _tensors, training_step
+
+__all__ = [
+    "MeasureError",
+    "RankSetup",
+    "RankReport",
+    "free_port",
+    "run_ranks",
+    "distributed_step",
+    "storage_bytes",
+]
+
+
+class MeasureError(SymmemError):
+    """A distributed measurement that could not be made or trusted (a rank failed, timed out,
+    or a buffer the measurement relies on changed between iterations)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (the OS picks it; it may be taken before use)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, backend, timeout, queue, args):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        try:
+            queue.put((rank, True, fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+              start_method: str = "fork", timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes, each inside a process
+    group (``init_process_group(backend)`` over TCP on 127.0.0.1), and return the results by
+    rank (they travel back pickled). ``start_method`` "fork" (Linux; the processes inherit the
+    imported modules and start in a fraction of a second, CPU only) or "spawn" (``fn`` and
+    ``args`` must then be importable/picklable; each process imports torch again, seconds).
+    A rank that raises or does not answer within ``timeout`` seconds raises
+    :class:`MeasureError` with its traceback."""
+    if world_size < 1:
+        raise MeasureError(f"world_size must be >= 1, got {world_size}")
+    ctx = multiprocessing.get_context(start_method)
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, timeout, queue, args),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = queue.get(timeout=timeout)
+            except Exception as exc:  # queue.Empty
+                raise MeasureError(f"{world_size - len(results) - len(errors)} of {world_size} "
+                                   f"ranks did not answer within {timeout} s") from exc
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break  # the others may wait forever in a collective
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise MeasureError("a rank failed: " + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a nest; a ``DTensor`` counts its local
+    shard's storage, the padded flat tensor FSDP2 keeps, not the logical size)."""
+    seen: dict[int, int] = {}
+    for t in _tensors(tensors):
+        for inner in _inner_tensors(t):
+            st = _storage(inner)
+            if st is not None:
+                seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+class RankSetup(NamedTuple):
+    """What ``setup(rank, world_size)`` returns: the (wrapped) module, ``loss_fn(module)`` for
+    one micro-batch, the optimizer over the rank's parameters and ``extra`` tensors counted from
+    the start (the rank's batch)."""
+
+    module: torch.nn.Module
+    loss_fn: Callable[[torch.nn.Module], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    extra: Any = ()
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's tracked iteration: ``step`` (a :class:`~symmem.measure.StepReport`) and, after
+    its optimizer step, the bytes of the rank's parameters (local shards for a ``DTensor``),
+    gradients, optimizer states, and ``buckets`` (DDP's flat gradient buckets, each storage
+    once; the gradients that are views of them are in ``grads`` too) with ``bucket_sizes`` in
+    bytes in the reducer's order."""
+
+    rank: int
+    world_size: int
+    step: StepReport
+    params: int
+    grads: int
+    optimizer_state: int
+    buckets: int
+    bucket_sizes: tuple[int, ...]
+
+
+class _AllReduceArgs(TorchDispatchMode):
+    """Keeps the tensors handed to ``c10d.allreduce_``: under DDP's backward, its buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith("c10d.allreduce_"):
+            self.tensors.extend(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def _one_step(case: RankSetup) -> None:
+    case.optimizer.zero_grad(set_to_none=True)
+    case.loss_fn(case.module).backward()
+    case.optimizer.step()
+
+
+def _rank_step(rank: int, world_size: int, setup: Callable[[int, int], RankSetup],
+               steps: int, keep_timeline: bool) -> RankReport:
+    from torch.nn.parallel import DistributedDataParallel
+
+    case = setup(rank, world_size)
+    ddp = isinstance(case.module, DistributedDataParallel)
+    for _ in range(steps - 2):
+        _one_step(case)
+    buckets: list[torch.Tensor] = []
+    if steps > 1:
+        if ddp:
+            recorder = _AllReduceArgs()
+            with recorder:
+                _one_step(case)
+            buckets = recorder.tensors
+        else:
+            _one_step(case)
+    bucket_keys = {_storage(t)._cdata for t in buckets}
+    check = _AllReduceArgs()
+    with check:  # beneath the tracker: sees the same operators after it
+        report = training_step(case.module, case.loss_fn, case.optimizer, steps=1,
+                               extra=[case.extra, buckets])
+    if ddp:
+        reduced = {_storage(t)._cdata for t in check.tensors}
+        if steps < 3 or reduced != bucket_keys:
+            raise MeasureError(
+                f"DDP's buckets are found in the iteration before the tracked one and must not "
+                f"change: got steps={steps} (need >= 3: the reducer rebuilds its buckets in the "
+                f"second iteration), {len(reduced)} storages all-reduced in the tracked iteration, "
+                f"{len(reduced & bucket_keys)} of them among the {len(bucket_keys)} buckets found")
+        sizes = tuple(_storage(t).nbytes() for t in buckets)
+    else:
+        sizes = ()
+    del check
+    params = list(case.module.parameters())
+    out = RankReport(
+        rank, world_size,
+        report if keep_timeline else _drop_timeline(report),
+        storage_bytes(params),
+        storage_bytes([p.grad for p in params if p.grad is not None]),
+        storage_bytes(list(case.optimizer.state.values())),
+        storage_bytes(buckets), sizes)
+    del buckets
+    return out
+
+
+def _drop_timeline(report: StepReport) -> StepReport:
+    from dataclasses import replace
+    return replace(report, timeline=())
+
+
+def distributed_step(setup: Callable[[int, int], RankSetup], world_size: int, *, steps: int = 3,
+                     keep_timeline: bool = True, backend: str = "gloo", start_method: str = "fork",
+                     timeout: float = 120.0) -> list[RankReport]:
+    """Train ``steps`` iterations in each of ``world_size`` processes and track the last, per
+    rank (see :func:`run_ranks` for the processes). Each rank calls ``setup(rank, world_size)``
+    (with ``torch.set_num_threads(1)`` and the process group initialised) and trains the
+    :class:`RankSetup` it returns: ``zero_grad(set_to_none=True)``, ``loss_fn(module)
+    .backward()``, ``optimizer.step()``. The default of 3 iterations is what DDP needs (its
+    buckets are rebuilt in the second); the optimizer's states exist from the first.
+    Returns a :class:`RankReport` per rank, ``keep_timeline=False`` leaving the per-operator
+    timeline out (it is pickled back to the parent)."""
+    if steps < 1:
+        raise MeasureError(f"steps must be >= 1, got {steps}")
+    return run_ranks(_rank_step, world_size, setup, steps, keep_timeline, backend=backend,
+                     start_method=start_method, timeout=timeout)

@@ -1,0 +1,314 @@
+"""Per-rank memory of real distributed training on the CPU (gloo, 2 and 4 processes), measured
+with ``symmem.measure_dist`` and pinned to the byte with hand arithmetic (float32 = 4 bytes).
+
+The oracle the DDP/ZeRO/FSDP/tensor-parallel formulas are checked against: DDP's gradient
+buckets, FSDP2's padded shards, all-gathered units and sharded gradients and AdamW states
+(``fully_shard``, full shard and grad-op shard), and a ColwiseParallel/RowwiseParallel MLP.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+nn = torch.nn
+
+from symmem.measure import training_step  # noqa: E402  (after the importorskip)
+from symmem.measure_dist import (  # noqa: E402
+    MeasureError,
+    RankSetup,
+    distributed_step,
+    run_ranks,
+    storage_bytes,
+)
+
+
+def _optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, foreach=False)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def _loss(x):
+    return lambda m: m(x).pow(2).mean()
+
+
+def _phases(report):
+    return (report.at_start, report.phase_peaks["forward"], report.phase_peaks["backward"],
+            report.phase_peaks["optimizer"])
+
+
+# --------------------------------------------------------------------------- DDP
+
+# MLP of tests/test_measure.py: Linear(16, 32) -> ReLU -> Linear(32, 4), no biases, batch 8.
+W1, W2 = 32 * 16 * 4, 4 * 32 * 4  # 2048, 512
+PARAMS = W1 + W2  # 2560
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(), nn.Linear(32, 4, bias=False))
+    return model, torch.randn(8, 16)
+
+
+def _ddp(kind, **ddp_kwargs):
+    def setup(rank, world_size):
+        from torch.nn.parallel import DistributedDataParallel
+        model, x = _mlp()
+        model = DistributedDataParallel(model, **ddp_kwargs)
+        return RankSetup(model, _loss(x), _optimizer(kind, model.parameters()), [x])
+    return setup
+
+
+# One process, as tests/test_measure.py pins it: (at start, forward, backward, optimizer).
+# SGD: parameters 2560 + x 512 = 3072; forward 5120; backward 6664 (threshold_backward:
+# parameters, x, loss and seed 8, grad W2 512, a, grad a, grad h 3 * 1024); optimizer
+# 5636 (parameters, x, loss 4, gradients 2560).
+# AdamW: + exp_avg and exp_avg_sq 2 * 2560 + two 4-byte steps = 5128 throughout, and its
+# step's temporaries: sqrt(exp_avg_sq) and its quotient for W1, 2 * 2048 = 4096.
+SINGLE = {"sgd": (3072, 5120, 6664, 5636), "adamw": (8200, 10248, 11792, 5636 + 5128 + 4096)}
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_single_process_baseline(kind):
+    model, x = _mlp()
+    r = training_step(model, _loss(x), _optimizer(kind, model.parameters()), steps=3, extra=[x])
+    assert _phases(r) == SINGLE[kind]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_ddp_rank_adds_exactly_its_bucket(kind):
+    states = 0 if kind == "sgd" else 2 * PARAMS + 2 * 4  # 5128
+    for gav in (False, True):
+        ranks = distributed_step(_ddp(kind, gradient_as_bucket_view=gav), 2, keep_timeline=False)
+        for r in ranks:
+            # 2560 bytes of parameters < the first bucket's 1 MiB: one bucket, one flat float32
+            # tensor of all 640 gradients, allocated by the reducer, all-reduced in place.
+            assert (r.params, r.grads, r.optimizer_state) == (PARAMS, PARAMS, states)
+            assert (r.buckets, r.bucket_sizes) == (PARAMS, (PARAMS,))
+            single = SINGLE[kind]
+            if not gav:
+                # The gradients are separate tensors copied out of the bucket after the
+                # all-reduce: the bucket's 2560 bytes are extra at every point of the step.
+                assert _phases(r.step) == tuple(v + PARAMS for v in single)
+            else:
+                # The gradients are views of the bucket: the bucket (live from the start,
+                # set_to_none only drops the views) replaces them. At the backward peak only
+                # grad W2 (512) exists yet: + 2560 - 512 = + 2048; in the optimizer step every
+                # gradient is in the bucket: + 0.
+                assert _phases(r.step) == (single[0] + PARAMS, single[1] + PARAMS,
+                                           single[2] + PARAMS - W2, single[3])
+            assert r.step.peak_phase == ("backward" if kind == "sgd" else "optimizer")
+
+
+# Three layers of 0.25, 1 and 0.5 MiB: W1 = 2048 * 32 * 4 = 262,144; W2 = 128 * 2048 * 4 =
+# 1,048,576; W3 = 1024 * 128 * 4 = 524,288; batch 2.
+BIG = 262_144 + 1_048_576 + 524_288  # 1,835,008
+
+
+def _big_ddp(**ddp_kwargs):
+    def setup(rank, world_size):
+        from torch.nn.parallel import DistributedDataParallel
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 2048, bias=False), nn.Linear(2048, 128, bias=False),
+                              nn.Linear(128, 1024, bias=False))
+        x = torch.randn(2, 32)
+        model = DistributedDataParallel(model, **ddp_kwargs)
+        return RankSetup(model, _loss(x), _optimizer("sgd", model.parameters()), [x])
+    return setup
+
+
+def test_ddp_bucket_assignment_first_bucket_one_mib():
+    # Rebuilt buckets follow the order gradients are ready: W3, W2, W1. A bucket closes once it
+    # holds at least its cap (reducer.cpp, compute_bucket_assignment_by_size).
+    # Default: the first bucket's cap is 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), then 25 MiB:
+    # W3 (0.5 MiB) + W2 (1 MiB) = 1.5 MiB >= 1 MiB closes it; W1 is the second.
+    (r, _) = distributed_step(_big_ddp(), 2, keep_timeline=False)
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 1_048_576
+    assert r.bucket_sizes == (524_288 + 1_048_576, 262_144)
+    # bucket_cap_mb=0.25: every cap, the first too, int(0.25 * 2**20) = 262,144: one layer each.
+    (q, _) = distributed_step(_big_ddp(bucket_cap_mb=0.25), 2, keep_timeline=False)
+    assert q.bucket_sizes == (524_288, 1_048_576, 262_144)
+    # However split, the buckets hold every gradient once: 1,835,008 bytes, live from the start
+    # (x 2 * 32 * 4 = 256 beside the parameters).
+    for report in (r, q):
+        assert report.buckets == report.params == BIG
+        assert report.step.at_start == BIG + 256 + BIG
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+# Linear(16, 33) -> ReLU -> Linear(33, 4), with biases, batch 8; each Linear its own unit.
+# FSDP2 shards every parameter on dim 0, padded to a multiple of the world size
+# (_fsdp_param.py: padded_sharded_param_size = ceil(dim0 / world) rows); on 2 ranks:
+#   W0 (33, 16): 33 rows -> 34, 17 rows a rank: 272 elements; b0 (33): 17
+#   W1 (4, 33): 2 rows a rank: 66;                            b1 (4): 2
+# Each rank keeps every parameter's padded shard: (272 + 17 + 66 + 2) * 4 = 1428 bytes
+# (1088 + 68 + 264 + 8), rank 1's last row of W0 and b0 being padding.
+SHARDS = (272 + 17 + 66 + 2) * 4  # 1428
+X8 = 8 * 16 * 4  # 512
+# Unit 0 all-gathered: a flat buffer of 2 * (272 + 17) = 578 elements = 2312 bytes
+# (foreach_all_gather), copied out into unsharded parameters that keep the padding:
+# W0 34 * 16 * 4 = 2176 and b0 34 * 4 = 136, 2312 bytes again.
+U0 = 2 * (272 + 17) * 4  # 2312
+U1 = 2 * (66 + 2) * 4  # 544: unit 1's buffer, and W1 4 * 33 * 4 = 528 + b1 16 unsharded
+H = 8 * 33 * 4  # 1056: the hidden activation or its gradient
+# The optimizer sees each parameter's local shard *without* its padding: rank 0 holds rows
+# 0-16 of W0 and b0, rank 1 rows 17-32 (16 rows): AdamW's two states of 357 or 340 elements.
+ADAMW_STATES = (2 * SHARDS + 4 * 4, 2 * (16 * 16 + 16 + 66 + 2) * 4 + 4 * 4)  # 2872, 2736
+
+
+def _fsdp(kind, reshard, layers=(16, 33, 4)):
+    def setup(rank, world_size):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(layers[0], layers[1]), nn.ReLU(), nn.Linear(layers[1], layers[2]))
+        x = torch.randn(8, layers[0])
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        return RankSetup(model, _loss(x), _optimizer(kind, model.parameters()), [x])
+    return setup
+
+
+# SGD, (at start, forward, backward, optimizer) on each rank.
+# Full shard (reshard_after_forward=True):
+#   forward, at unit 0's addmm: x 512 + shards 1428 + unit 0's buffer 2312 (FSDP2 keeps the
+#     all-gather result in comm_ctx.all_gather_state until the next unit's copy-out) + its
+#     unsharded parameters 2312 + h 1056 = 7620;
+#   backward, while unit 0 is all-gathered again: x, shards, loss and its seed 8, unit 1's
+#     gradient shard 272 (its reduce-scatter output, holding grad W1 and grad b1) and its
+#     reduce-scatter input 544 (2 * 272, chunk_cat; kept in comm_ctx.reduce_scatter_states
+#     until the next unit reduces), grad h 1056, unit 0's buffer 2312 and unsharded 2312:
+#     512 + 1428 + 8 + 272 + 544 + 1056 + 2312 + 2312 = 8444;
+#   optimizer: x 512, shards 1428, loss 4, gradient shards 1428 (the reduce-scatter outputs,
+#     padded as the parameters) = 3372, updated in place.
+# Grad-op shard (reshard_after_forward=False): unit 0 stays gathered through the forward:
+#   forward, at unit 1's copy-out: 512 + 1428 + unit 0's buffer 2312 and parameters 2312 +
+#     h 1056 + unit 1's buffer 544 and parameters 544 = 8708;
+#   backward, at grad b0 (sum): unit 0 is not gathered again; its unsharded gradients
+#     grad W0 33 * 16 * 4 = 2112 and grad b0 132 exist: 512 + 1428 + 8 + 272 + 544 + 1056 +
+#     2312 + 2112 + 132 = 8376;
+#   optimizer: 3372 as with full shard (the unsharded parameters were freed after backward).
+FSDP_SGD = {True: (X8 + SHARDS, X8 + SHARDS + 2 * U0 + H,
+                   X8 + SHARDS + 8 + 272 + 544 + H + 2 * U0, X8 + SHARDS + 4 + SHARDS),
+            False: (X8 + SHARDS, X8 + SHARDS + 2 * U0 + H + 2 * U1,
+                    X8 + SHARDS + 8 + 272 + 544 + H + U0 + 2112 + 132, X8 + SHARDS + 4 + SHARDS)}
+assert FSDP_SGD == {True: (1940, 7620, 8444, 3372), False: (1940, 8708, 8376, 3372)}
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_fsdp2_full_and_grad_op_shard_per_rank(kind):
+    for reshard in (True, False):
+        ranks = distributed_step(_fsdp(kind, reshard), 2, keep_timeline=False)
+        for r, states in zip(ranks, ADAMW_STATES):
+            states = 0 if kind == "sgd" else states
+            assert (r.params, r.grads, r.optimizer_state, r.buckets) == (SHARDS, SHARDS, states, 0)
+            expected = FSDP_SGD[reshard]
+            if kind == "adamw":
+                # The states are live throughout; the step adds sqrt(exp_avg_sq) and its quotient
+                # for the largest local shard, W0's 17 * 16 * 4 = 1088 (rank 1: 16 * 16 * 4 = 1024).
+                largest = 1088 if r.rank == 0 else 1024
+                expected = tuple(v + states for v in expected[:3]) + (expected[3] + states + 2 * largest,)
+            assert _phases(r.step) == expected, (reshard, r.rank)
+            # Full shard peaks in backward (unit 0 gathered again beside unit 1's gradients),
+            # grad-op shard in forward (both units gathered at once).
+            assert (r.step.peak, r.step.peak_phase) == (max(expected), "backward" if reshard else "forward")
+
+
+def test_fsdp2_padding_on_four_ranks():
+    # On 4 ranks W0's 33 rows pad to 36, 9 a rank: 9 * 16 + 9 (b0) + W1's 4 rows, 1 a rank:
+    # 33 + 1 (b1): 187 elements = 748 bytes of shards and of gradients on every rank.
+    # AdamW's states cover the unpadded local rows: rows 0-8, 9-17, 18-26 and 27-32 (6 rows),
+    # 2 * 187 * 4 + 16 = 1512 on ranks 0-2, 2 * (6 * 16 + 6 + 33 + 1) * 4 + 16 = 1104 on rank 3.
+    ranks = distributed_step(_fsdp("adamw", True), 4, keep_timeline=False)
+    assert [(r.params, r.grads, r.optimizer_state) for r in ranks] == \
+        [(748, 748, 1512)] * 3 + [(748, 748, 1104)]
+
+
+# --------------------------------------------------------------------------- tensor parallel
+
+# Linear(16, 32) ColwiseParallel -> ReLU -> Linear(32, 16) RowwiseParallel, no biases, batch 8.
+TP_W = 16 * 16 * 4  # 1024: each rank's half of either weight (one process: 2048 each)
+
+
+def _tp_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(), nn.Linear(32, 16, bias=False))
+    return model, torch.randn(8, 16)
+
+
+def _tp(kind):
+    def setup(rank, world_size):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (world_size,))
+        model, x = _tp_mlp()
+        model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return RankSetup(model, _loss(x), _optimizer(kind, model.parameters()), [x])
+    return setup
+
+
+def test_tensor_parallel_mlp_halves_weights_and_hidden():
+    model, x = _tp_mlp()
+    single = training_step(model, _loss(x), _optimizer("sgd", model.parameters()), steps=3, extra=[x])
+    # One process: weights 4096 + x 512 = 4608; forward at mean: + a 1024 (ReLU's output, saved)
+    # + y 512 (the output, saved by pow) + pow's 512 + the loss 4 = 6660.
+    assert _phases(single)[:2] == (4608, 6660)
+    for kind in ("sgd", "adamw"):
+        ranks = distributed_step(_tp(kind), 2)
+        states = 0 if kind == "sgd" else 2 * 2 * TP_W + 2 * 4  # 4104
+        for r in ranks:
+            assert (r.params, r.grads, r.optimizer_state) == (2 * TP_W, 2 * TP_W, states)
+            # Forward at mean: weights 2048 + x 512 + a's half 8 * 16 * 4 = 512 + y 512 + pow's
+            # 512 + loss 4 = 4100. The row-parallel output's all-reduce is a functional
+            # collective: it returns a new 512-byte tensor beside the partial sum (both live
+            # right after it: 2048 + 512 + 512 + 512 + 512 = 4096), and the partial is freed.
+            # Backward at pow's gradient chain (loss and seed 8, div, pow, mul, mul: 4 * 512):
+            # 2048 + 512 + 512 + 512 + 8 + 2048 = 5640: y is replicated, so its gradients are
+            # whole (8, 16) tensors on every rank; x needs no gradient, so no all-reduce runs
+            # in backward. Optimizer: weights, gradients 2048 each, x 512, loss 4 = 4612;
+            # AdamW's step adds its states and, for the second weight, the first weight's
+            # denominator still referenced by the loop plus sqrt and quotient: 3 * 1024.
+            extra_step = 0 if kind == "sgd" else 3 * TP_W
+            assert _phases(r.step) == (2560 + states, 4100 + states, 5640 + states,
+                                       4612 + states + extra_step)
+            ops = [s.op for s in r.step.timeline]
+            reduce_at = ops.index("_c10d_functional.all_reduce.default")
+            assert r.step.timeline[reduce_at].live_bytes == 4096 + states
+            assert [op for op in ops if "reduce" in op or "gather" in op] == \
+                ["_c10d_functional.all_reduce.default"]  # one collective in the whole step
+
+
+# --------------------------------------------------------------------------- the harness
+
+
+def _rank_and_world(rank, world_size, offset):
+    t = torch.full((3,), float(rank + offset))
+    dist.all_reduce(t)
+    return rank, world_size, t.tolist()
+
+
+def _fails_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    return rank
+
+
+def test_run_ranks_results_by_rank_and_errors_with_traceback():
+    assert run_ranks(_rank_and_world, 3, 1) == [(r, 3, [6.0] * 3) for r in range(3)]  # 1 + 2 + 3
+    with pytest.raises(MeasureError, match="rank 1:(.|\n)*ValueError: rank one refuses"):
+        run_ranks(_fails_on_rank_one, 2, timeout=30)
+
+
+def test_ddp_needs_the_iteration_that_rebuilds_its_buckets():
+    with pytest.raises(MeasureError, match="steps=2 .need >= 3"):
+        distributed_step(_ddp("sgd"), 2, steps=2, timeout=60)
+
+
+def test_storage_bytes_counts_a_storage_once():
+    t = torch.zeros(10)
+    assert storage_bytes([t, t[2:], {"a": t.view(2, 5)}, torch.zeros(3, dtype=torch.float64)]) == 40 + 24
