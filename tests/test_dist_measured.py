@@ -312,3 +312,53 @@ def test_ddp_needs_the_iteration_that_rebuilds_its_buckets():
 def test_storage_bytes_counts_a_storage_once():
     t = torch.zeros(10)
     assert storage_bytes([t, t[2:], {"a": t.view(2, 5)}, torch.zeros(3, dtype=torch.float64)]) == 40 + 24
+
+
+# --------------------------------------------------------------------------- what gloo allocates
+
+
+def _gloo_scratch(rank, world_size):
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from symmem.measure import inference_pass
+    x, out, part = torch.ones(1000), torch.empty(2000), torch.empty(1000)  # 4000, 8000, 4000 bytes
+    # The tracker's peak over the collective beside the profiler's allocations (aten::empty*,
+    # the thread that ran the c10d operator named "caller").
+    collectives = {"all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, x),
+                   "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(part, out),
+                   "all_reduce": lambda: dist.all_reduce(x)}
+    found = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the *_tensor names are deprecated
+        for name, fn in collectives.items():
+            fn()
+            report, _ = inference_pass(nn.Module(), fn, extra=[x, out, part])
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                fn()
+            events = list(prof.events())
+            caller = next(e.thread for e in events if e.name.startswith("c10d::"))
+            allocs = [(e.name, e.cpu_memory_usage, "caller" if e.thread == caller else "gloo thread")
+                      for e in events if e.name in ("aten::empty", "aten::empty_strided")
+                      and e.cpu_memory_usage > 0]
+            found[name] = (report.peak - report.at_start, allocs)
+    return found
+
+
+def test_gloo_collectives_allocate_scratch_the_tracker_does_not_see():
+    # all_gather_into_tensor of 1000 floats on 2 ranks: ProcessGroupGloo allocates a flat
+    # 8000-byte output inside the c10d operator (the tracker, seeing only the operator's
+    # arguments and result, misses it) and another on gloo's worker thread (another thread:
+    # missed too), copied into the output's chunks there. reduce_scatter_tensor clones its
+    # 8000-byte input inside the operator and all-reduces the clone on the worker thread;
+    # the caller then copies this rank's chunk out (aten.chunk, aten.copy_ on the clone):
+    # the tracker meets the clone there and counts it, 8000 bytes, until it is freed.
+    # all_reduce works in place (gloo's ring buffers are its own, outside ATen): 0.
+    # NCCL has none of these: it reads and writes the given tensors directly.
+    for found in run_ranks(_gloo_scratch, 2):
+        assert found == {
+            "all_gather_into_tensor": (0, [("aten::empty", 8000, "caller"), ("aten::empty", 8000, "gloo thread")]),
+            "reduce_scatter_tensor": (8000, [("aten::empty_strided", 8000, "caller")]),
+            "all_reduce": (0, []),
+        }
