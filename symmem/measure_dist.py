@@ -11,12 +11,18 @@ builds and wraps the model (``DistributedDataParallel``, ``fully_shard``,
 What the storage tracker (a ``TorchDispatchMode``, thread-local) sees, and what not:
 
 * **Collectives** are dispatcher operators (``c10d.allreduce_``, ``c10d.broadcast_``,
-  ``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ...): their input and output
-  tensors are seen and counted like any operator's. Gloo then runs the algorithm on its own
-  worker thread with its own scratch memory (``gloo::allreduce`` keeps ring segments in
-  ``std::unique_ptr<char[]>`` buffers, not ATen storages): host memory outside PyTorch's
-  allocator, never on the accelerator, and invisible to the tracker. On the CPU the peak
-  measured here is therefore the tensors' bytes, not the process's resident memory.
+  ``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``, ``_c10d_functional.all_reduce``):
+  their arguments and results are counted like any operator's. What ``ProcessGroupGloo``
+  allocates *inside* them is not, being either inside the operator's kernel or on gloo's
+  worker thread (the mode is thread-local). Measured with ``torch.profiler``'s memory events
+  (``tests/test_dist_measured.py``): ``all_reduce`` and ``broadcast`` run in place (any buffer
+  of gloo's algorithm is gloo's own, outside ATen); ``all_gather_into_tensor`` allocates two
+  flat output-sized temporaries, one in the operator and one on the worker thread, never seen;
+  ``reduce_scatter_tensor`` clones its whole input, all-reduces the clone and copies this
+  rank's chunk out on the calling thread -- the tracker meets the clone at that copy and counts
+  it from there until it is freed. These are host memory of the CPU backend; the peak
+  measured here is that of the tensors the training step holds, not the process's resident
+  memory.
 * **DDP's gradient buckets** are allocated in C++ by ``Reducer::initialize_buckets``
   (``torch/csrc/distributed/c10d/reducer.cpp``: one flat ``at::empty`` per bucket, the sum of
   its parameters' sizes) when DDP is built, and again, in gradient-ready order, by
@@ -31,29 +37,37 @@ What the storage tracker (a ``TorchDispatchMode``, thread-local) sees, and what 
   the gradients *are* views of the buckets (one storage each bucket); with False they are
   separate tensors copied out of the buckets after the all-reduce.
 * **FSDP2** (``torch.distributed.fsdp.fully_shard``) keeps each parameter as a ``DTensor``
-  whose local shard is a view of a padded flat tensor (dim 0 padded to a multiple of the
-  world size); it all-gathers each unit into a new ``world_size``-times-larger flat tensor
-  (``foreach_all_gather``: ``all_gather_copy_in`` then ``c10d._allgather_base_``) and copies
-  it out into the unsharded parameters (``split_with_sizes_copy``), and reduce-scatters the
-  gradients from a flat ``chunk_cat`` tensor into a new shard. All of it goes through the
-  dispatcher on the calling thread and is counted. A ``DTensor`` (or any traceable wrapper
+  whose local shard is a view of the parameter's own padded shard (dim 0 padded to a multiple
+  of the world size; the optimizer's states follow the unpadded local shard). It all-gathers
+  each unit into a new ``world_size``-times-larger flat tensor (``all_gather_copy_in``, then
+  ``c10d._allgather_base_``) and copies it out (``split_with_sizes_copy``) into unsharded
+  parameters that keep the padding, whose storages it frees and re-allocates with
+  ``UntypedStorage.resize_(0)`` / ``resize_(n)`` -- no operator; the tracker follows that
+  method. In forward the previous unit's all-gather output lives until the next unit's
+  copy-out (``comm_ctx.all_gather_state``); in backward the next unit is prefetched and each
+  unit's reduce-scatter input (a ``chunk_cat`` of its gradients) lives until the next unit
+  reduces (``comm_ctx.reduce_scatter_states``). All of it runs on the calling thread and is
+  counted. A ``DTensor`` (or any traceable wrapper
   subclass) has no storage of its own: the tracker counts the storages of its inner tensors.
   Operators a ``DTensor`` runs on its local tensors inside its own dispatch are not seen one
   by one (a mode handles the ``DTensor``-level operator with itself switched off); their
   results are, once wrapped in the output.
 
-What CUDA and NCCL do differently (from PyTorch's sources): NCCL allocates its own
-communication buffers (``NCCL_BUFFSIZE``, 4 MiB per channel and peer by default) with
-``cudaMalloc`` outside PyTorch's caching allocator, so neither this tracker nor
-``torch.cuda.max_memory_allocated`` sees them (``nvidia-smi`` does); NCCL runs in place on
-the tensors it is given, so no host copy exists. ``ProcessGroupNCCL`` records the tensors of a
-collective on its stream (``recordStream``) so the caching allocator does not reuse their
-blocks until the collective finishes: a freed bucket or all-gather output can stay reserved a
-little longer than its last use. FSDP2 on CUDA runs the all-gather and the reduce-scatter on
-separate streams and, with ``reshard_after_forward`` and prefetching, can hold the next unit's
-all-gathered parameters beside the current one's; gloo on the CPU runs them synchronously, so
-at most the unit being computed is gathered here. DDP on CUDA uses the same reducer and the
-same buckets (one flat tensor per bucket, on the device).
+What CUDA and NCCL do differently (from PyTorch's and NCCL's documentation and sources):
+NCCL reads and writes the tensors it is given (no ATen temporaries like gloo's above) and
+keeps its own communication buffers (sized by ``NCCL_BUFFSIZE``, 4 MiB by default, per
+channel and peer), allocated by NCCL outside PyTorch's caching allocator: neither this tracker
+nor ``torch.cuda.max_memory_allocated`` sees them (``nvidia-smi`` does). ``ProcessGroupNCCL``
+keeps a collective's tensors from being reused before the collective ends on its stream
+(``recordStream``, or, for synchronous calls and with ``TORCH_NCCL_AVOID_RECORD_STREAMS=1``,
+by holding them in the ``Work``), so a freed bucket or all-gather output can stay reserved a
+little after its last use. FSDP2 on CUDA all-gathers and reduce-scatters on their own
+streams; the deferred frees measured here (the previous unit's all-gather output kept in
+``comm_ctx.all_gather_state`` until the next unit's copy-out; the reduce-scatter input kept
+in ``comm_ctx.reduce_scatter_states``) exist for exactly that overlap and happen the same
+way on the CPU, where the streams are no-ops. DDP on CUDA uses the same reducer and buckets
+(one flat tensor per bucket on the device); the gradient's division by the world size is
+written into the bucket (``mul_out``) on either device.
 """
 
 from __future__ import annotations
