@@ -364,3 +364,75 @@ def test_gloo_collectives_allocate_scratch_the_tracker_does_not_see():
             "reduce_scatter_tensor": (8000, [("aten::empty_strided", 8000, "caller")]),
             "all_reduce": (0, []),
         }
+
+
+# --------------------------------------------------------------------------- a tiny Llama
+
+# Llama with h = 16, f = 40, a = 2 heads, k = 1 key/value head (d_h = 8), L = 2, V = 99,
+# untied head, eager attention; b = 2, s = 8.
+LLAMA_PARAMS = 2 * 99 * 16 + 16 + 2 * (2 * 16 * 16 + 2 * 8 * 16 + 3 * 40 * 16 + 2 * 16)  # 8624
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=2,
+                                   num_key_value_heads=1, num_hidden_layers=2, vocab_size=99,
+                                   max_position_embeddings=64, attn_implementation="eager",
+                                   use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 99, (2, 8))
+    return model, ids
+
+
+def _llama_loss(ids):
+    return lambda m: m(ids, labels=ids).loss
+
+
+def _llama_setup(kind, wrap):
+    def setup(rank, world_size):
+        model, ids = _llama()
+        if wrap == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            model = DistributedDataParallel(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (world_size,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, reshard_after_forward=wrap == "full")
+            fully_shard(model, mesh=mesh, reshard_after_forward=wrap == "full")
+        return RankSetup(model, _llama_loss(ids), _optimizer(kind, model.parameters()), [ids])
+    return setup
+
+
+def test_llama_ddp_rank_is_one_process_plus_its_bucket():
+    model, ids = _llama()
+    assert sum(p.numel() for p in model.parameters()) * 4 == LLAMA_PARAMS * 4 == 34_496
+    single = training_step(model, _llama_loss(ids), _optimizer("adamw", model.parameters()),
+                           steps=3, extra=[ids])
+    ranks = distributed_step(_llama_setup("adamw", "ddp"), 2, keep_timeline=False)
+    for r in ranks:
+        # 34,496 bytes < 1 MiB: one bucket holding every gradient, extra at every phase.
+        assert (r.params, r.grads, r.buckets, r.bucket_sizes) == (34_496, 34_496, 34_496, (34_496,))
+        assert _phases(r.step) == tuple(v + 34_496 for v in _phases(single))
+        assert r.step.peak_phase == single.peak_phase
+
+
+def test_llama_fsdp2_shards_per_rank():
+    # Each parameter's dim 0 padded to even, half a rank: embedding and head 99 -> 100 rows, 50
+    # a rank: 2 * 50 * 16 = 1600; per layer q 8 * 16 + k, v 4 * 16 each + o 8 * 16 + gate, up
+    # 20 * 16 each + down 8 * 40 + two norms 8 each = 1360, twice; the final norm 8:
+    # 1600 + 2720 + 8 = 4328 elements = 17,312 bytes on each rank, parameters and gradients.
+    # AdamW's states follow the unpadded rows: rank 1 holds 49 rows of the embedding and of
+    # the head (4296 elements); 21 parameters, one 4-byte step each.
+    shard = 2 * 50 * 16 + 2 * (8 * 16 + 2 * 4 * 16 + 8 * 16 + 3 * 320 + 2 * 8) + 8
+    assert shard == 4328
+    ranks = distributed_step(_llama_setup("adamw", "full"), 2, keep_timeline=False)
+    assert [(r.params, r.grads, r.optimizer_state) for r in ranks] == [
+        (shard * 4, shard * 4, 2 * shard * 4 + 21 * 4),  # 17,312, 17,312, 34,708
+        (shard * 4, shard * 4, 2 * (shard - 32) * 4 + 21 * 4)]  # 34,452
+    for r in ranks:
+        # At the start: shards, states, the rotary buffers inv_freq and original_inv_freq
+        # (4 floats each, not sharded: 32) and the ids (2 * 8 int64: 128).
+        assert r.step.at_start == shard * 4 + r.optimizer_state + 32 + 128
