@@ -229,6 +229,17 @@ def test_fsdp2_padding_on_four_ranks():
     ranks = distributed_step(_fsdp("adamw", True), 4, keep_timeline=False)
     assert [(r.params, r.grads, r.optimizer_state) for r in ranks] == \
         [(748, 748, 1512)] * 3 + [(748, 748, 1104)]
+    # The full-shard arithmetic of the 2-rank case at world size 4: unit 0's all-gather buffer
+    # 4 * (144 + 9) * 4 = 2448 bytes and its unsharded parameters as large (W0 36 * 16 * 4 =
+    # 2304, b0 36 * 4 = 144); unit 1's gradient shard (33 + 1) * 4 = 136 and reduce-scatter
+    # input 4 * 136 = 544; the states beside; AdamW's step temporaries 2 * W0's local rows
+    # (9 * 16 * 4 = 576 on ranks 0-2, 6 * 16 * 4 = 384 on rank 3).
+    for r in ranks:
+        states, largest = r.optimizer_state, 576 if r.rank < 3 else 384
+        assert _phases(r.step) == (512 + 748 + states,
+                                   512 + 748 + 2 * 2448 + H + states,
+                                   512 + 748 + 8 + 136 + 544 + H + 2 * 2448 + states,
+                                   512 + 748 + 4 + 748 + states + 2 * largest)
 
 
 # --------------------------------------------------------------------------- tensor parallel
