@@ -138,6 +138,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     :class:`MeasureError` with its traceback."""
     if world_size < 1:
         raise MeasureError(f"world_size must be >= 1, got {world_size}")
+    for attempt in range(3):  # the free port may be taken between free_port() and the bind
+        results, errors = _run_once(fn, world_size, args, backend, start_method, timeout)
+        if not any("address already in use" in e.lower() for e in errors):
+            break
+    if errors:
+        raise MeasureError("a rank failed: " + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+def _run_once(fn, world_size, args, backend, start_method, timeout):
     ctx = multiprocessing.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
@@ -165,9 +175,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             if p.is_alive():
                 p.kill()
                 p.join()
-    if errors:
-        raise MeasureError("a rank failed: " + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return results, errors
 
 
 def storage_bytes(tensors: Any) -> int:

@@ -311,10 +311,21 @@ def _fails_on_rank_one(rank, world_size):
     return rank
 
 
+def _hangs_on_rank_one(rank, world_size):
+    if rank == 1:
+        import time
+        time.sleep(60)
+    return rank
+
+
 def test_run_ranks_results_by_rank_and_errors_with_traceback():
     assert run_ranks(_rank_and_world, 3, 1) == [(r, 3, [6.0] * 3) for r in range(3)]  # 1 + 2 + 3
     with pytest.raises(MeasureError, match="rank 1:(.|\n)*ValueError: rank one refuses"):
         run_ranks(_fails_on_rank_one, 2, timeout=30)
+    with pytest.raises(MeasureError, match="^1 of 2 ranks did not answer within 2 s$"):
+        run_ranks(_hangs_on_rank_one, 2, timeout=2)  # the sleeping rank is killed
+    with pytest.raises(MeasureError, match="world_size must be >= 1, got 0"):
+        run_ranks(_rank_and_world, 0, 1)
 
 
 def test_ddp_needs_the_iteration_that_rebuilds_its_buckets():
