@@ -221,6 +221,44 @@ def test_fsdp2_full_and_grad_op_shard_per_rank(kind):
             assert (r.step.peak, r.step.peak_phase) == (max(expected), "backward" if reshard else "forward")
 
 
+
+def _fsdp_bf16(reshard):
+    def setup(rank, world_size):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 4))
+        x = torch.randn(8, 16)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for module in (model[0], model[2], model):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        return RankSetup(model, lambda m: m(x).float().pow(2).mean(),
+                         _optimizer("sgd", model.parameters()), [x])
+    return setup
+
+
+def test_fsdp2_bf16_parameters_float32_reduction():
+    # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), SGD, 2 ranks. The
+    # shards, gradients and optimizer stay float32 (1428 bytes each, as above); what is gathered
+    # is bfloat16: unit 0's buffer 2 * 289 * 2 = 1156 and its unsharded parameters W0 34 * 16 * 2
+    # = 1088 + b0 34 * 2 = 68; unit 1's 2 * 68 * 2 = 272 and 264 + 8. The root casts x to
+    # bfloat16 (8 * 16 * 2 = 256); h is bfloat16 (8 * 33 * 2 = 528).
+    bf16_forward = {True: X8 + SHARDS + 256 + 1156 + 1156 + 528,  # at unit 0's addmm: 5036
+                    False: X8 + SHARDS + 256 + 1156 + 1156 + 528 + 272 + 272}  # unit 1 copied out: 5580
+    # Backward peak, either way, at unit 0's reduce-scatter: shards, x, loss and seed 8, unit 1's
+    # float32 gradient shard 272, unit 0's 289 * 4 = 1156, grad b0 still bfloat16 (33 * 2 = 66),
+    # the float32 reduce-scatter input 2 * 289 * 4 = 2312 (chunk_cat in reduce_dtype) -- and
+    # gloo's clone of it, 2312 more (test_gloo_collectives_...; NCCL makes no clone):
+    # 1428 + 512 + 8 + 272 + 1156 + 66 + 2312 + 2312 = 8066.
+    backward = X8 + SHARDS + 8 + 272 + 1156 + 66 + 2 * 2312
+    for reshard in (True, False):
+        for r in distributed_step(_fsdp_bf16(reshard), 2, keep_timeline=False):
+            assert (r.params, r.grads) == (SHARDS, SHARDS)
+            assert _phases(r.step) == (X8 + SHARDS, bf16_forward[reshard], backward,
+                                       X8 + SHARDS + 4 + SHARDS), reshard
+
+
 def test_fsdp2_padding_on_four_ranks():
     # On 4 ranks W0's 33 rows pad to 36, 9 a rank: 9 * 16 + 9 (b0) + W1's 4 rows, 1 a rank:
     # 33 + 1 (b1): 187 elements = 748 bytes of shards and of gradients on every rank.
