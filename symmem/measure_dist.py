@@ -72,6 +72,8 @@ written into the bucket (``mul_out``) on either device.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import multiprocessing
 import socket
 import traceback
@@ -99,6 +101,7 @@ __all__ = [
     "run_ranks",
     "distributed_step",
     "storage_bytes",
+    "in_place_reduce_scatter",
 ]
 
 
@@ -190,6 +193,28 @@ def storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
+def in_place_reduce_scatter():
+    """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) that allocates nothing:
+    it all-reduces FSDP's flat reduce-scatter input in place (the input is FSDP's own temporary,
+    a ``chunk_cat`` of the unsharded gradients, read by nothing afterwards) and copies this
+    rank's chunk into the output. Gloo's own ``reduce_scatter_tensor`` clones its whole input
+    first (see the module's docstring); NCCL's ``ncclReduceScatter`` reads the input and writes
+    the output, no more: with this one installed the tracked bytes are those NCCL would hold."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class InPlaceReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            dist.all_reduce(input_tensor, op=op, group=group)
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            output_tensor.copy_(input_tensor.view(world, -1)[rank].view_as(output_tensor))
+            return None
+
+    return InPlaceReduceScatter()
+
+
 class RankSetup(NamedTuple):
     """What ``setup(rank, world_size)`` returns: the (wrapped) module, ``loss_fn(module)`` for
     one micro-batch, the optimizer over the rank's parameters and ``extra`` tensors counted from
@@ -220,15 +245,23 @@ class RankReport:
 
 
 class _AllReduceArgs(TorchDispatchMode):
-    """Keeps the tensors handed to ``c10d.allreduce_``: under DDP's backward, its buckets."""
+    """Notes the storages handed to ``c10d.allreduce_`` (under DDP's backward, its buckets):
+    with ``keep`` the tensors themselves (found in a warm-up iteration, to be registered in the
+    tracked one), else only their storages' keys (a check that must not extend a lifetime)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool) -> None:
         super().__init__()
+        self.keep = keep
         self.tensors: list[torch.Tensor] = []
+        self.keys: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if str(func).startswith("c10d.allreduce_"):
-            self.tensors.extend(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
+                    self.keys.add(st._cdata)
+                    if self.keep:
+                        self.tensors.append(t)
         return func(*args, **(kwargs or {}))
 
 
@@ -249,29 +282,36 @@ def _rank_step(rank: int, world_size: int, setup: Callable[[int, int], RankSetup
     buckets: list[torch.Tensor] = []
     if steps > 1:
         if ddp:
-            recorder = _AllReduceArgs()
+            recorder = _AllReduceArgs(keep=True)
             with recorder:
                 _one_step(case)
             buckets = recorder.tensors
         else:
             _one_step(case)
     bucket_keys = {_storage(t)._cdata for t in buckets}
-    check = _AllReduceArgs()
-    with check:  # beneath the tracker: sees the same operators after it
-        report = training_step(case.module, case.loss_fn, case.optimizer, steps=1,
-                               extra=[case.extra, buckets])
+    check = _AllReduceArgs(keep=False)
+    # Lifetimes by reference counts alone: the cyclic collector, whose runs depend on what
+    # the process allocated before (a forked rank inherits its parent's counts), is run
+    # before the tracked iteration and kept off during it.
+    gc.collect()
+    gc.disable()
+    try:
+        with check if ddp else contextlib.nullcontext():  # beneath the tracker: sees its operators
+            report = training_step(case.module, case.loss_fn, case.optimizer, steps=1,
+                                   extra=[case.extra, buckets])
+    finally:
+        gc.enable()
     if ddp:
-        reduced = {_storage(t)._cdata for t in check.tensors}
-        if steps < 3 or reduced != bucket_keys:
+        if steps < 3 or check.keys != bucket_keys:
             raise MeasureError(
                 f"DDP's buckets are found in the iteration before the tracked one and must not "
                 f"change: got steps={steps} (need >= 3: the reducer rebuilds its buckets in the "
-                f"second iteration), {len(reduced)} storages all-reduced in the tracked iteration, "
-                f"{len(reduced & bucket_keys)} of them among the {len(bucket_keys)} buckets found")
+                f"second iteration), {len(check.keys)} storages all-reduced in the tracked "
+                f"iteration, {len(check.keys & bucket_keys)} of them among the "
+                f"{len(bucket_keys)} buckets found")
         sizes = tuple(_storage(t).nbytes() for t in buckets)
     else:
         sizes = ()
-    del check
     params = list(case.module.parameters())
     out = RankReport(
         rank, world_size,
@@ -298,8 +338,12 @@ def distributed_step(setup: Callable[[int, int], RankSetup], world_size: int, *,
     :class:`RankSetup` it returns: ``zero_grad(set_to_none=True)``, ``loss_fn(module)
     .backward()``, ``optimizer.step()``. The default of 3 iterations is what DDP needs (its
     buckets are rebuilt in the second); the optimizer's states exist from the first.
-    Returns a :class:`RankReport` per rank, ``keep_timeline=False`` leaving the per-operator
-    timeline out (it is pickled back to the parent)."""
+    The cyclic garbage collector is run before the tracked iteration and disabled during it,
+    so storages live as long as their reference counts say, whatever the process did before.
+    For FSDP2, :func:`in_place_reduce_scatter` (installed by ``setup`` on each module with
+    ``set_custom_reduce_scatter``) removes gloo's clone of the reduce-scatter input, leaving
+    the bytes NCCL would hold. Returns a :class:`RankReport` per rank, ``keep_timeline=False``
+    leaving the per-operator timeline out (it is pickled back to the parent)."""
     if steps < 1:
         raise MeasureError(f"steps must be >= 1, got {steps}")
     return run_ranks(_rank_step, world_size, setup, steps, keep_timeline, backend=backend,

@@ -19,6 +19,7 @@ from symmem.measure_dist import (  # noqa: E402
     MeasureError,
     RankSetup,
     distributed_step,
+    in_place_reduce_scatter,
     run_ranks,
     storage_bytes,
 )
@@ -222,7 +223,7 @@ def test_fsdp2_full_and_grad_op_shard_per_rank(kind):
 
 
 
-def _fsdp_bf16(reshard):
+def _fsdp_bf16(reshard, in_place, bf16=True):
     def setup(rank, world_size):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -230,9 +231,12 @@ def _fsdp_bf16(reshard):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 4))
         x = torch.randn(8, 16)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                      reduce_dtype=torch.float32 if bf16 else None)
         for module in (model[0], model[2], model):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            if in_place:
+                module.set_custom_reduce_scatter(in_place_reduce_scatter())
         return RankSetup(model, lambda m: m(x).float().pow(2).mean(),
                          _optimizer("sgd", model.parameters()), [x])
     return setup
@@ -243,21 +247,35 @@ def test_fsdp2_bf16_parameters_float32_reduction():
     # shards, gradients and optimizer stay float32 (1428 bytes each, as above); what is gathered
     # is bfloat16: unit 0's buffer 2 * 289 * 2 = 1156 and its unsharded parameters W0 34 * 16 * 2
     # = 1088 + b0 34 * 2 = 68; unit 1's 2 * 68 * 2 = 272 and 264 + 8. The root casts x to
-    # bfloat16 (8 * 16 * 2 = 256); h is bfloat16 (8 * 33 * 2 = 528).
-    bf16_forward = {True: X8 + SHARDS + 256 + 1156 + 1156 + 528,  # at unit 0's addmm: 5036
-                    False: X8 + SHARDS + 256 + 1156 + 1156 + 528 + 272 + 272}  # unit 1 copied out: 5580
-    # Backward peak, either way, at unit 0's reduce-scatter: shards, x, loss and seed 8, unit 1's
-    # float32 gradient shard 272, unit 0's 289 * 4 = 1156, grad b0 still bfloat16 (33 * 2 = 66),
-    # the float32 reduce-scatter input 2 * 289 * 4 = 2312 (chunk_cat in reduce_dtype) -- and
-    # gloo's clone of it, 2312 more (test_gloo_collectives_...; NCCL makes no clone):
+    # bfloat16 (8 * 16 * 2 = 256, saved by unit 0's addmm); h is bfloat16 (8 * 33 * 2 = 528).
+    forward = {True: X8 + SHARDS + 256 + 1156 + 1156 + 528,  # at unit 0's addmm: 5036
+               False: X8 + SHARDS + 256 + 1156 + 1156 + 528 + 272 + 272}  # unit 1 copied out: 5580
+    # Backward with gloo's reduce-scatter, either way at unit 0's: shards, x, loss and seed 8,
+    # unit 1's float32 gradient shard 272, unit 0's 289 * 4 = 1156, grad b0 still bfloat16
+    # (33 * 2 = 66), the float32 reduce-scatter input 2 * 289 * 4 = 2312 (chunk_cat in
+    # reduce_dtype) -- and gloo's clone of it, 2312 more (test_gloo_collectives_...):
     # 1428 + 512 + 8 + 272 + 1156 + 66 + 2312 + 2312 = 8066.
-    backward = X8 + SHARDS + 8 + 272 + 1156 + 66 + 2 * 2312
-    for reshard in (True, False):
-        for r in distributed_step(_fsdp_bf16(reshard), 2, keep_timeline=False):
+    # With in_place_reduce_scatter (no clone, as NCCL), the maxima are elsewhere: beside
+    # shards, x, 8, x in bfloat16 256, unit 1's gradient shard 272 and its reduce-scatter input
+    # 544 (kept until unit 0 reduces), grad h in bfloat16 528,
+    #   full shard, unit 0 gathered again: its buffer 1156 and parameters 1156 = 5860;
+    #   grad-op shard, at grad b0: unit 0's parameters 1156, grad W0 33 * 16 * 2 = 1056 and
+    #   grad b0 66 in bfloat16 = 5826.
+    common = X8 + SHARDS + 8 + 256 + 272 + 544 + 528
+    backward = {(True, False): X8 + SHARDS + 8 + 272 + 1156 + 66 + 2 * 2312,
+                (False, False): X8 + SHARDS + 8 + 272 + 1156 + 66 + 2 * 2312,
+                (True, True): common + 1156 + 1156,
+                (False, True): common + 1156 + 1056 + 66}
+    assert backward == {(True, False): 8066, (False, False): 8066, (True, True): 5860, (False, True): 5826}
+    for (reshard, in_place), peak in backward.items():
+        for r in distributed_step(_fsdp_bf16(reshard, in_place), 2, keep_timeline=False):
             assert (r.params, r.grads) == (SHARDS, SHARDS)
-            assert _phases(r.step) == (X8 + SHARDS, bf16_forward[reshard], backward,
-                                       X8 + SHARDS + 4 + SHARDS), reshard
-
+            assert _phases(r.step) == (X8 + SHARDS, forward[reshard], peak,
+                                       X8 + SHARDS + 4 + SHARDS), (reshard, in_place)
+    # In float32 the in-place reduce-scatter changes no phase's maximum (gloo's clone, met at
+    # each reduce-scatter's copy-out, is never where the maximum is).
+    for r in distributed_step(_fsdp_bf16(True, True, bf16=False), 2, keep_timeline=False):
+        assert _phases(r.step) == FSDP_SGD[True]
 
 def test_fsdp2_padding_on_four_ranks():
     # On 4 ranks W0's 33 rows pad to 36, 9 a rank: 9 * 16 + 9 (b0) + W1's 4 rows, 1 a rank:
