@@ -193,13 +193,31 @@ def storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
+def _released(tensors: list[torch.Tensor], call: Callable[[], Any], timeout: float = 10.0) -> None:
+    """Run the collective ``call()`` and wait until gloo's worker thread has dropped its
+    references to ``tensors`` (their storages' use counts back to what they were before).
+    The caller resumes as soon as the work is marked complete; the worker releases the work,
+    and with it the tensors, a moment later -- under CPU contention, several operators later,
+    which would make a buffer outlive FSDP's last reference by a timing-dependent amount."""
+    import time
+    storages = [t.untyped_storage() for t in tensors]
+    before = [torch._C._storage_Use_Count(st._cdata) for st in storages]
+    call()
+    deadline = time.monotonic() + timeout
+    while any(torch._C._storage_Use_Count(st._cdata) > n for st, n in zip(storages, before)):
+        if time.monotonic() > deadline:
+            raise MeasureError(f"gloo kept a collective's tensors {timeout} s after it finished")
+        time.sleep(0.0005)
+
+
 def in_place_reduce_scatter():
     """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) that allocates nothing:
     it all-reduces FSDP's flat reduce-scatter input in place (the input is FSDP's own temporary,
     a ``chunk_cat`` of the unsharded gradients, read by nothing afterwards) and copies this
     rank's chunk into the output. Gloo's own ``reduce_scatter_tensor`` clones its whole input
     first (see the module's docstring); NCCL's ``ncclReduceScatter`` reads the input and writes
-    the output, no more: with this one installed the tracked bytes are those NCCL would hold."""
+    the output, no more: with this one installed the tracked bytes are those NCCL would hold.
+    It returns once gloo has let go of the input (deterministic lifetimes; see ``_released``)."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
     class InPlaceReduceScatter(ReduceScatter):
@@ -207,7 +225,7 @@ def in_place_reduce_scatter():
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            dist.all_reduce(input_tensor, op=op, group=group)
+            _released([input_tensor], lambda: dist.all_reduce(input_tensor, op=op, group=group))
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             output_tensor.copy_(input_tensor.view(world, -1)[rank].view_as(output_tensor))
             return None
@@ -342,7 +360,8 @@ def distributed_step(setup: Callable[[int, int], RankSetup], world_size: int, *,
     so storages live as long as their reference counts say, whatever the process did before.
     For FSDP2, :func:`in_place_reduce_scatter` (installed by ``setup`` on each module with
     ``set_custom_reduce_scatter``) removes gloo's clone of the reduce-scatter input, leaving
-    the bytes NCCL would hold. Returns a :class:`RankReport` per rank, ``keep_timeline=False``
+    the bytes NCCL would hold; the FSDP2 cases of ``tests/test_dist_measured.py`` use it.
+    Returns a :class:`RankReport` per rank, ``keep_timeline=False``
     leaving the per-operator timeline out (it is pickled back to the parent)."""
     if steps < 1:
         raise MeasureError(f"steps must be >= 1, got {steps}")
