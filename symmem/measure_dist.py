@@ -102,6 +102,7 @@ __all__ = [
     "distributed_step",
     "storage_bytes",
     "in_place_reduce_scatter",
+    "released_all_gather",
 ]
 
 
@@ -233,6 +234,34 @@ def in_place_reduce_scatter():
     return InPlaceReduceScatter()
 
 
+class _Completed:
+    """Stands for the work of an asynchronous all-gather that already finished: FSDP2 treats a
+    non-None result as asynchronous (no deferred free) and waits only on a real ``Work``."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def released_all_gather():
+    """An FSDP2 all-gather (``FSDPModule.set_custom_all_gather``): gloo's ``all_gather_single``
+    (FSDP's own call), run synchronously, returning once gloo's worker thread has let go of the
+    input and output (see ``_released``), so that FSDP's frees happen when its references go,
+    not when the worker is next scheduled. Asynchronous calls get a finished stand-in, so FSDP
+    frees the result as it does after an asynchronous all-gather."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    class ReleasedAllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            _released([output_tensor, input_tensor],
+                      lambda: dist.all_gather_single(output_tensor, input_tensor, group=group))
+            return _Completed() if async_op else None
+
+    return ReleasedAllGather()
+
+
 class RankSetup(NamedTuple):
     """What ``setup(rank, world_size)`` returns: the (wrapped) module, ``loss_fn(module)`` for
     one micro-batch, the optimizer over the rank's parameters and ``extra`` tensors counted from
@@ -358,9 +387,11 @@ def distributed_step(setup: Callable[[int, int], RankSetup], world_size: int, *,
     buckets are rebuilt in the second); the optimizer's states exist from the first.
     The cyclic garbage collector is run before the tracked iteration and disabled during it,
     so storages live as long as their reference counts say, whatever the process did before.
-    For FSDP2, :func:`in_place_reduce_scatter` (installed by ``setup`` on each module with
-    ``set_custom_reduce_scatter``) removes gloo's clone of the reduce-scatter input, leaving
-    the bytes NCCL would hold; the FSDP2 cases of ``tests/test_dist_measured.py`` use it.
+    For FSDP2, install :func:`released_all_gather` and :func:`in_place_reduce_scatter` in
+    ``setup`` on each module (``set_custom_all_gather``, ``set_custom_reduce_scatter``): gloo's
+    worker thread otherwise drops a finished collective's tensors when it is next scheduled
+    (under CPU contention, operators later), and its reduce-scatter clones its input; with
+    them the bytes are reproducible and those NCCL would hold.
     Returns a :class:`RankReport` per rank, ``keep_timeline=False``
     leaving the per-operator timeline out (it is pickled back to the parent)."""
     if steps < 1:

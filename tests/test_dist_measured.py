@@ -20,6 +20,7 @@ from symmem.measure_dist import (  # noqa: E402
     RankSetup,
     distributed_step,
     in_place_reduce_scatter,
+    released_all_gather,
     run_ranks,
     storage_bytes,
 )
@@ -161,9 +162,11 @@ ADAMW_STATES = (2 * SHARDS + 4 * 4, 2 * (16 * 16 + 16 + 66 + 2) * 4 + 4 * 4)  # 
 
 
 def _reproducible_collectives(module):
-    # gloo's reduce-scatter clones its input, and the clone's lifetime depends on when gloo's
-    # worker thread lets go of the finished work: the in-place reduce-scatter has no clone
-    # and waits for that release (the bytes NCCL would hold).
+    # gloo's worker thread lets go of a finished collective's tensors when it is next
+    # scheduled: on a loaded machine an all-gather output can outlive FSDP's last reference
+    # by several operators. These wait for it (and reduce-scatter in place, without gloo's
+    # clone of the input: the bytes NCCL would hold).
+    module.set_custom_all_gather(released_all_gather())
     module.set_custom_reduce_scatter(in_place_reduce_scatter())
 
 
