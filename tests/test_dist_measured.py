@@ -173,13 +173,13 @@ def _reproducible_collectives(module):
 def _assert_fsdp_phases(step, expected, optimizer_start, unit0, where):
     """Each phase's maximum exactly; the optimizer's may also be its start plus ``unit0``.
 
-    Known, unexplained: on a loaded machine about one rank in twelve (observed in repeated
-    runs of the full-shard SGD case) starts the optimizer step with one buffer of unit 0's
-    padded size (2312 bytes on 2 ranks: its all-gather output, its unsharded parameters and
-    its reduce-scatter input all have that size) still referenced, freed during the step.
-    The collectives wait for gloo's worker thread to let go of their tensors (see
-    _reproducible_collectives), so another thread's late reference is the likely cause;
-    not found yet. Every other phase is exact in every run."""
+    Known, not yet explained: on a loaded machine about one rank in twelve (repeated runs of
+    the full-shard SGD case) starts the optimizer step with unit 0's reduce-scatter input
+    still referenced -- a (578,) float32 tensor, 2312 bytes on 2 ranks, allocated by FSDP's
+    reduce_scatter_comm.allocate and kept in comm_ctx.reduce_scatter_states, which the root's
+    final backward callback clears -- and frees it during the step. The in-place
+    reduce-scatter waits for gloo's worker thread to let go of it, so the late reference is
+    elsewhere; not found yet. Every other phase is exact in every run."""
     got = _phases(step)
     assert got[:3] == expected[:3], where
     assert got[3] in (expected[3], max(expected[3], optimizer_start + unit0)), (where, got)
