@@ -34,7 +34,7 @@ try:
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
     from torch.utils._pytree import tree_leaves
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("symmem.measure needs PyTorch: pip install 'symmem[torch]'") from exc
@@ -66,6 +66,16 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     return st if st.nbytes() > 0 else None
 
 
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t``, or for a traceable wrapper subclass (a ``DTensor``, which has no storage of its
+    own) the plain tensors it wraps (a ``DTensor``'s local shard), recursively."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()  # may name non-tensors too (a DTensor's device_mesh)
+    inner = [getattr(t, name) for name in names]
+    return [leaf for x in inner if isinstance(x, torch.Tensor) for leaf in _inner_tensors(x)]
+
+
 def _key(st: torch.UntypedStorage) -> tuple[int, int]:
     return st.data_ptr(), st.nbytes()
 
@@ -73,9 +83,9 @@ def _key(st: torch.UntypedStorage) -> tuple[int, int]:
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """Tensors inside a nest of tuples, lists and dicts (a ``ModelOutput`` is a dict)."""
     if isinstance(obj, torch.nn.Module):
-        return [*obj.parameters(), *obj.buffers()]
+        return [t for p in (*obj.parameters(), *obj.buffers()) for t in _inner_tensors(p)]
     if isinstance(obj, torch.Tensor):
-        return [obj]
+        return _inner_tensors(obj)
     if isinstance(obj, dict):
         obj = list(obj.values())
     if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
@@ -262,7 +272,8 @@ class _LiveTracker(TorchDispatchMode):
     """Registers every storage an operator reads or writes; samples live bytes after each op.
 
     A storage is held through a ``StorageWeakRef`` only, so the tracker never extends a
-    lifetime; it counts while not ``expired()``. Live entries are kept in a dict with a
+    lifetime; a storage resized by ``UntypedStorage.resize_`` (no operator) is followed through
+    a patch of that method while the tracker is active; it counts while not ``expired()``. Live entries are kept in a dict with a
     running total, and expired ones are dropped at each sample. Entries are keyed by the
     storage object (``_cdata``), not its ``data_ptr``, which moves when ``resize_`` grows it.
     """
@@ -293,6 +304,38 @@ class _LiveTracker(TorchDispatchMode):
         self._entries[key] = (StorageWeakRef(st), nbytes)
         self.live += nbytes
 
+    def resized(self, st: torch.UntypedStorage) -> None:
+        """``UntypedStorage.resize_`` bypasses the dispatcher (FSDP2 frees and re-allocates its
+        unsharded parameters so: ``storage.resize_(0)``, ``storage.resize_(n)``); the tracker
+        patches it while active and counts the new size here."""
+        key, nbytes = st._cdata, st.nbytes()
+        old = self._entries.get(key)
+        if old is not None and not old[0].expired():
+            self.live += nbytes - old[1]
+            self._entries[key] = (old[0], nbytes)
+        elif nbytes > 0 and st.device == self.device:
+            if old is not None:
+                self.live -= old[1]
+            self._entries[key] = (StorageWeakRef(st), nbytes)
+            self.live += nbytes
+
+    def __enter__(self):
+        tracker = self
+        original = self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = original(storage, size)
+            with tracker.lock:
+                tracker.resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
     def sample(self, op: str) -> None:
         dead = [key for key, (ref, _) in self._entries.items() if ref.expired()]
         for key in dead:
@@ -304,7 +347,8 @@ class _LiveTracker(TorchDispatchMode):
         with self.lock:
             for t in tree_leaves((args, kwargs, out)):
                 if isinstance(t, torch.Tensor):
-                    self.register(t)
+                    for inner in _inner_tensors(t):
+                        self.register(inner)
             self.sample(str(func))
         return out
 

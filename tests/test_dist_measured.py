@@ -1,0 +1,532 @@
+"""Per-rank memory of real distributed training on the CPU (gloo, 2 and 4 processes), measured
+with ``symmem.measure_dist`` and pinned to the byte with hand arithmetic (float32 = 4 bytes).
+
+The oracle the DDP/ZeRO/FSDP/tensor-parallel formulas are checked against: DDP's gradient
+buckets, FSDP2's padded shards, all-gathered units and sharded gradients and AdamW states
+(``fully_shard``, full shard and grad-op shard), and a ColwiseParallel/RowwiseParallel MLP.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+nn = torch.nn
+
+from symmem.measure import training_step  # noqa: E402  (after the importorskip)
+from symmem.measure_dist import (  # noqa: E402
+    MeasureError,
+    RankSetup,
+    distributed_step,
+    in_place_reduce_scatter,
+    released_all_gather,
+    run_ranks,
+    storage_bytes,
+)
+
+
+def _optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, foreach=False)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def _loss(x):
+    return lambda m: m(x).pow(2).mean()
+
+
+def _phases(report):
+    return (report.at_start, report.phase_peaks["forward"], report.phase_peaks["backward"],
+            report.phase_peaks["optimizer"])
+
+
+# --------------------------------------------------------------------------- DDP
+
+# MLP of tests/test_measure.py: Linear(16, 32) -> ReLU -> Linear(32, 4), no biases, batch 8.
+W1, W2 = 32 * 16 * 4, 4 * 32 * 4  # 2048, 512
+PARAMS = W1 + W2  # 2560
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(), nn.Linear(32, 4, bias=False))
+    return model, torch.randn(8, 16)
+
+
+def _ddp(kind, **ddp_kwargs):
+    def setup(rank, world_size):
+        from torch.nn.parallel import DistributedDataParallel
+        model, x = _mlp()
+        model = DistributedDataParallel(model, **ddp_kwargs)
+        return RankSetup(model, _loss(x), _optimizer(kind, model.parameters()), [x])
+    return setup
+
+
+# One process, as tests/test_measure.py pins it: (at start, forward, backward, optimizer).
+# SGD: parameters 2560 + x 512 = 3072; forward 5120; backward 6664 (threshold_backward:
+# parameters, x, loss and seed 8, grad W2 512, a, grad a, grad h 3 * 1024); optimizer
+# 5636 (parameters, x, loss 4, gradients 2560).
+# AdamW: + exp_avg and exp_avg_sq 2 * 2560 + two 4-byte steps = 5128 throughout, and its
+# step's temporaries: sqrt(exp_avg_sq) and its quotient for W1, 2 * 2048 = 4096.
+SINGLE = {"sgd": (3072, 5120, 6664, 5636), "adamw": (8200, 10248, 11792, 5636 + 5128 + 4096)}
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_single_process_baseline(kind):
+    model, x = _mlp()
+    r = training_step(model, _loss(x), _optimizer(kind, model.parameters()), steps=3, extra=[x])
+    assert _phases(r) == SINGLE[kind]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_ddp_rank_adds_exactly_its_bucket(kind):
+    states = 0 if kind == "sgd" else 2 * PARAMS + 2 * 4  # 5128
+    for gav in (False, True):
+        ranks = distributed_step(_ddp(kind, gradient_as_bucket_view=gav), 2, keep_timeline=False)
+        for r in ranks:
+            # 2560 bytes of parameters < the first bucket's 1 MiB: one bucket, one flat float32
+            # tensor of all 640 gradients, allocated by the reducer, all-reduced in place.
+            assert (r.params, r.grads, r.optimizer_state) == (PARAMS, PARAMS, states)
+            assert (r.buckets, r.bucket_sizes) == (PARAMS, (PARAMS,))
+            single = SINGLE[kind]
+            if not gav:
+                # The gradients are separate tensors copied out of the bucket after the
+                # all-reduce: the bucket's 2560 bytes are extra at every point of the step.
+                assert _phases(r.step) == tuple(v + PARAMS for v in single)
+            else:
+                # The gradients are views of the bucket: the bucket (live from the start,
+                # set_to_none only drops the views) replaces them. At the backward peak only
+                # grad W2 (512) exists yet: + 2560 - 512 = + 2048; in the optimizer step every
+                # gradient is in the bucket: + 0.
+                assert _phases(r.step) == (single[0] + PARAMS, single[1] + PARAMS,
+                                           single[2] + PARAMS - W2, single[3])
+            assert r.step.peak_phase == ("backward" if kind == "sgd" else "optimizer")
+
+
+# Three layers of 0.25, 1 and 0.5 MiB: W1 = 2048 * 32 * 4 = 262,144; W2 = 128 * 2048 * 4 =
+# 1,048,576; W3 = 1024 * 128 * 4 = 524,288; batch 2.
+BIG = 262_144 + 1_048_576 + 524_288  # 1,835,008
+
+
+def _big_ddp(**ddp_kwargs):
+    def setup(rank, world_size):
+        from torch.nn.parallel import DistributedDataParallel
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 2048, bias=False), nn.Linear(2048, 128, bias=False),
+                              nn.Linear(128, 1024, bias=False))
+        x = torch.randn(2, 32)
+        model = DistributedDataParallel(model, **ddp_kwargs)
+        return RankSetup(model, _loss(x), _optimizer("sgd", model.parameters()), [x])
+    return setup
+
+
+def test_ddp_bucket_assignment_first_bucket_one_mib():
+    # Rebuilt buckets follow the order gradients are ready: W3, W2, W1. A bucket closes once it
+    # holds at least its cap (reducer.cpp, compute_bucket_assignment_by_size).
+    # Default: the first bucket's cap is 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), then 25 MiB:
+    # W3 (0.5 MiB) + W2 (1 MiB) = 1.5 MiB >= 1 MiB closes it; W1 is the second.
+    (r, _) = distributed_step(_big_ddp(), 2, keep_timeline=False)
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 1_048_576
+    assert r.bucket_sizes == (524_288 + 1_048_576, 262_144)
+    # bucket_cap_mb=0.25: every cap, the first too, int(0.25 * 2**20) = 262,144: one layer each.
+    (q, _) = distributed_step(_big_ddp(bucket_cap_mb=0.25), 2, keep_timeline=False)
+    assert q.bucket_sizes == (524_288, 1_048_576, 262_144)
+    # However split, the buckets hold every gradient once: 1,835,008 bytes, live from the start
+    # (x 2 * 32 * 4 = 256 beside the parameters).
+    for report in (r, q):
+        assert report.buckets == report.params == BIG
+        assert report.step.at_start == BIG + 256 + BIG
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+# Linear(16, 33) -> ReLU -> Linear(33, 4), with biases, batch 8; each Linear its own unit.
+# FSDP2 shards every parameter on dim 0, padded to a multiple of the world size
+# (_fsdp_param.py: padded_sharded_param_size = ceil(dim0 / world) rows); on 2 ranks:
+#   W0 (33, 16): 33 rows -> 34, 17 rows a rank: 272 elements; b0 (33): 17
+#   W1 (4, 33): 2 rows a rank: 66;                            b1 (4): 2
+# Each rank keeps every parameter's padded shard: (272 + 17 + 66 + 2) * 4 = 1428 bytes
+# (1088 + 68 + 264 + 8), rank 1's last row of W0 and b0 being padding.
+SHARDS = (272 + 17 + 66 + 2) * 4  # 1428
+X8 = 8 * 16 * 4  # 512
+# Unit 0 all-gathered: a flat buffer of 2 * (272 + 17) = 578 elements = 2312 bytes
+# (foreach_all_gather), copied out into unsharded parameters that keep the padding:
+# W0 34 * 16 * 4 = 2176 and b0 34 * 4 = 136, 2312 bytes again.
+U0 = 2 * (272 + 17) * 4  # 2312
+U1 = 2 * (66 + 2) * 4  # 544: unit 1's buffer, and W1 4 * 33 * 4 = 528 + b1 16 unsharded
+H = 8 * 33 * 4  # 1056: the hidden activation or its gradient
+# The optimizer sees each parameter's local shard *without* its padding: rank 0 holds rows
+# 0-16 of W0 and b0, rank 1 rows 17-32 (16 rows): AdamW's two states of 357 or 340 elements.
+ADAMW_STATES = (2 * SHARDS + 4 * 4, 2 * (16 * 16 + 16 + 66 + 2) * 4 + 4 * 4)  # 2872, 2736
+
+
+def _reproducible_collectives(module):
+    # gloo's worker thread lets go of a finished collective's tensors when it is next
+    # scheduled: on a loaded machine an all-gather output can outlive FSDP's last reference
+    # by several operators. These wait for it (and reduce-scatter in place, without gloo's
+    # clone of the input: the bytes NCCL would hold).
+    module.set_custom_all_gather(released_all_gather())
+    module.set_custom_reduce_scatter(in_place_reduce_scatter())
+
+
+def _assert_fsdp_phases(step, expected, optimizer_start, unit0, where):
+    """Each phase's maximum exactly; the optimizer's may also be its start plus ``unit0``.
+
+    Known, not yet explained: on a loaded machine about one rank in twelve (repeated runs of
+    the full-shard SGD case) starts the optimizer step with unit 0's reduce-scatter input
+    still referenced -- a (578,) float32 tensor, 2312 bytes on 2 ranks, allocated by FSDP's
+    reduce_scatter_comm.allocate and kept in comm_ctx.reduce_scatter_states, which the root's
+    final backward callback clears -- and frees it during the step. The in-place
+    reduce-scatter waits for gloo's worker thread to let go of it, so the late reference is
+    elsewhere; not found yet. Every other phase is exact in every run."""
+    got = _phases(step)
+    assert got[:3] == expected[:3], where
+    assert got[3] in (expected[3], max(expected[3], optimizer_start + unit0)), (where, got)
+
+
+def _fsdp(kind, reshard, layers=(16, 33, 4)):
+    def setup(rank, world_size):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(layers[0], layers[1]), nn.ReLU(), nn.Linear(layers[1], layers[2]))
+        x = torch.randn(8, layers[0])
+        for module in (model[0], model[2], model):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+            _reproducible_collectives(module)
+        return RankSetup(model, _loss(x), _optimizer(kind, model.parameters()), [x])
+    return setup
+
+
+# SGD, (at start, forward, backward, optimizer) on each rank.
+# Full shard (reshard_after_forward=True):
+#   forward, at unit 0's addmm: x 512 + shards 1428 + unit 0's buffer 2312 (FSDP2 keeps the
+#     all-gather result in comm_ctx.all_gather_state until the next unit's copy-out) + its
+#     unsharded parameters 2312 + h 1056 = 7620;
+#   backward, while unit 0 is all-gathered again: x, shards, loss and its seed 8, unit 1's
+#     gradient shard 272 (its reduce-scatter output, holding grad W1 and grad b1) and its
+#     reduce-scatter input 544 (2 * 272, chunk_cat; kept in comm_ctx.reduce_scatter_states
+#     until the next unit reduces), grad h 1056, unit 0's buffer 2312 and unsharded 2312:
+#     512 + 1428 + 8 + 272 + 544 + 1056 + 2312 + 2312 = 8444;
+#   optimizer: x 512, shards 1428, loss 4, gradient shards 1428 (the reduce-scatter outputs,
+#     padded as the parameters) = 3372, updated in place.
+# Grad-op shard (reshard_after_forward=False): unit 0 stays gathered through the forward:
+#   forward, at unit 1's copy-out: 512 + 1428 + unit 0's buffer 2312 and parameters 2312 +
+#     h 1056 + unit 1's buffer 544 and parameters 544 = 8708;
+#   backward, at grad b0 (sum): unit 0 is not gathered again; its unsharded gradients
+#     grad W0 33 * 16 * 4 = 2112 and grad b0 132 exist: 512 + 1428 + 8 + 272 + 544 + 1056 +
+#     2312 + 2112 + 132 = 8376;
+#   optimizer: 3372 as with full shard (the unsharded parameters were freed after backward).
+# Not counted (see test_gloo_collectives_allocate_scratch_the_tracker_does_not_see): gloo's two
+# output-sized temporaries inside each all-gather, 2 * 2312 while unit 0 is gathered.
+FSDP_SGD = {True: (X8 + SHARDS, X8 + SHARDS + 2 * U0 + H,
+                   X8 + SHARDS + 8 + 272 + 544 + H + 2 * U0, X8 + SHARDS + 4 + SHARDS),
+            False: (X8 + SHARDS, X8 + SHARDS + 2 * U0 + H + 2 * U1,
+                    X8 + SHARDS + 8 + 272 + 544 + H + U0 + 2112 + 132, X8 + SHARDS + 4 + SHARDS)}
+assert FSDP_SGD == {True: (1940, 7620, 8444, 3372), False: (1940, 8708, 8376, 3372)}
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_fsdp2_full_and_grad_op_shard_per_rank(kind):
+    for reshard in (True, False):
+        ranks = distributed_step(_fsdp(kind, reshard), 2, keep_timeline=False)
+        for r, states in zip(ranks, ADAMW_STATES):
+            states = 0 if kind == "sgd" else states
+            assert (r.params, r.grads, r.optimizer_state, r.buckets) == (SHARDS, SHARDS, states, 0)
+            expected = FSDP_SGD[reshard]
+            if kind == "adamw":
+                # The states are live throughout; the step adds sqrt(exp_avg_sq) and its quotient
+                # for the largest local shard, W0's 17 * 16 * 4 = 1088 (rank 1: 16 * 16 * 4 = 1024).
+                largest = 1088 if r.rank == 0 else 1024
+                expected = tuple(v + states for v in expected[:3]) + (expected[3] + states + 2 * largest,)
+            _assert_fsdp_phases(r.step, expected, X8 + SHARDS + 4 + SHARDS + states, U0, (reshard, r.rank))
+            # Full shard peaks in backward (unit 0 gathered again beside unit 1's gradients),
+            # grad-op shard in forward (both units gathered at once).
+            assert (r.step.peak, r.step.peak_phase) == (max(expected), "backward" if reshard else "forward")
+
+
+
+def _fsdp_bf16(reshard):
+    def setup(rank, world_size):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 4))
+        x = torch.randn(8, 16)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for module in (model[0], model[2], model):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            _reproducible_collectives(module)
+        return RankSetup(model, lambda m: m(x).float().pow(2).mean(),
+                         _optimizer("sgd", model.parameters()), [x])
+    return setup
+
+
+def test_fsdp2_bf16_parameters_float32_reduction():
+    # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), SGD, 2 ranks. The
+    # shards, gradients and optimizer stay float32 (1428 bytes each, as above); what is gathered
+    # is bfloat16: unit 0's buffer 2 * 289 * 2 = 1156 and its unsharded parameters W0 34 * 16 * 2
+    # = 1088 + b0 34 * 2 = 68; unit 1's 2 * 68 * 2 = 272 and 264 + 8. The root casts x to
+    # bfloat16 (8 * 16 * 2 = 256, saved by unit 0's addmm); h is bfloat16 (8 * 33 * 2 = 528).
+    forward = {True: X8 + SHARDS + 256 + 1156 + 1156 + 528,  # at unit 0's addmm: 5036
+               False: X8 + SHARDS + 256 + 1156 + 1156 + 528 + 272 + 272}  # unit 1 copied out: 5580
+    # Backward, beside shards, x, loss and seed 8, x in bfloat16 256, unit 1's float32 gradient
+    # shard 272 and its reduce-scatter input 544 (kept until unit 0 reduces), grad h in
+    # bfloat16 528:
+    #   full shard, unit 0 gathered again: its buffer 1156 and parameters 1156 = 5860;
+    #   grad-op shard, at grad b0: unit 0's parameters 1156, grad W0 33 * 16 * 2 = 1056 and
+    #   grad b0 66 in bfloat16 = 5826.
+    # (With gloo's own reduce-scatter the backward's maximum is at unit 0's reduce-scatter:
+    # its float32 input 2 * 289 * 4 = 2312 and gloo's clone of it, 2312 more, beside unit 0's
+    # gradient shard 1156: 8066 when measured, a number that needs gloo's worker thread to
+    # have let go of earlier buffers in time, so it is not pinned here.)
+    common = X8 + SHARDS + 8 + 256 + 272 + 544 + 528
+    backward = {True: common + 1156 + 1156, False: common + 1156 + 1056 + 66}
+    assert backward == {True: 5860, False: 5826}
+    for reshard, peak in backward.items():
+        for r in distributed_step(_fsdp_bf16(reshard), 2, keep_timeline=False):
+            assert (r.params, r.grads) == (SHARDS, SHARDS)
+            assert _phases(r.step) == (X8 + SHARDS, forward[reshard], peak,
+                                       X8 + SHARDS + 4 + SHARDS), reshard
+
+def test_fsdp2_padding_on_four_ranks():
+    # On 4 ranks W0's 33 rows pad to 36, 9 a rank: 9 * 16 + 9 (b0) + W1's 4 rows, 1 a rank:
+    # 33 + 1 (b1): 187 elements = 748 bytes of shards and of gradients on every rank.
+    # AdamW's states cover the unpadded local rows: rows 0-8, 9-17, 18-26 and 27-32 (6 rows),
+    # 2 * 187 * 4 + 16 = 1512 on ranks 0-2, 2 * (6 * 16 + 6 + 33 + 1) * 4 + 16 = 1104 on rank 3.
+    ranks = distributed_step(_fsdp("adamw", True), 4, keep_timeline=False)
+    assert [(r.params, r.grads, r.optimizer_state) for r in ranks] == \
+        [(748, 748, 1512)] * 3 + [(748, 748, 1104)]
+    # The full-shard arithmetic of the 2-rank case at world size 4: unit 0's all-gather buffer
+    # 4 * (144 + 9) * 4 = 2448 bytes and its unsharded parameters as large (W0 36 * 16 * 4 =
+    # 2304, b0 36 * 4 = 144); unit 1's gradient shard (33 + 1) * 4 = 136 and reduce-scatter
+    # input 4 * 136 = 544; the states beside; AdamW's step temporaries 2 * W0's local rows
+    # (9 * 16 * 4 = 576 on ranks 0-2, 6 * 16 * 4 = 384 on rank 3).
+    for r in ranks:
+        states, largest = r.optimizer_state, 576 if r.rank < 3 else 384
+        _assert_fsdp_phases(r.step, (512 + 748 + states,
+                                     512 + 748 + 2 * 2448 + H + states,
+                                     512 + 748 + 8 + 136 + 544 + H + 2 * 2448 + states,
+                                     512 + 748 + 4 + 748 + states + 2 * largest),
+                            512 + 748 + 4 + 748 + states, 2448, r.rank)
+
+
+# --------------------------------------------------------------------------- tensor parallel
+
+# Linear(16, 32) ColwiseParallel -> ReLU -> Linear(32, 16) RowwiseParallel, no biases, batch 8.
+TP_W = 16 * 16 * 4  # 1024: each rank's half of either weight (one process: 2048 each)
+
+
+def _tp_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(), nn.Linear(32, 16, bias=False))
+    return model, torch.randn(8, 16)
+
+
+def _tp(kind):
+    def setup(rank, world_size):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (world_size,))
+        model, x = _tp_mlp()
+        model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return RankSetup(model, _loss(x), _optimizer(kind, model.parameters()), [x])
+    return setup
+
+
+def test_tensor_parallel_mlp_halves_weights_and_hidden():
+    model, x = _tp_mlp()
+    single = training_step(model, _loss(x), _optimizer("sgd", model.parameters()), steps=3, extra=[x])
+    # One process: weights 4096 + x 512 = 4608; forward at mean: + a 1024 (ReLU's output, saved)
+    # + y 512 (the output, saved by pow) + pow's 512 + the loss 4 = 6660.
+    assert _phases(single)[:2] == (4608, 6660)
+    for kind in ("sgd", "adamw"):
+        ranks = distributed_step(_tp(kind), 2)
+        states = 0 if kind == "sgd" else 2 * 2 * TP_W + 2 * 4  # 4104
+        for r in ranks:
+            assert (r.params, r.grads, r.optimizer_state) == (2 * TP_W, 2 * TP_W, states)
+            # Forward at mean: weights 2048 + x 512 + a's half 8 * 16 * 4 = 512 + y 512 + pow's
+            # 512 + loss 4 = 4100. The row-parallel output's all-reduce is a functional
+            # collective: it returns a new 512-byte tensor beside the partial sum (both live
+            # right after it: 2048 + 512 + 512 + 512 + 512 = 4096), and the partial is freed.
+            # Backward at pow's gradient chain (loss and seed 8, div, pow, mul, mul: 4 * 512):
+            # 2048 + 512 + 512 + 512 + 8 + 2048 = 5640: y is replicated, so its gradients are
+            # whole (8, 16) tensors on every rank; x needs no gradient, so no all-reduce runs
+            # in backward. Optimizer: weights, gradients 2048 each, x 512, loss 4 = 4612;
+            # AdamW's step adds its states and, for the second weight, the first weight's
+            # denominator still referenced by the loop plus sqrt and quotient: 3 * 1024.
+            extra_step = 0 if kind == "sgd" else 3 * TP_W
+            assert _phases(r.step) == (2560 + states, 4100 + states, 5640 + states,
+                                       4612 + states + extra_step)
+            ops = [s.op for s in r.step.timeline]
+            reduce_at = ops.index("_c10d_functional.all_reduce.default")
+            assert r.step.timeline[reduce_at].live_bytes == 4096 + states
+            assert [op for op in ops if "reduce" in op or "gather" in op] == \
+                ["_c10d_functional.all_reduce.default"]  # one collective in the whole step
+
+
+# --------------------------------------------------------------------------- the harness
+
+
+def _rank_and_world(rank, world_size, offset):
+    t = torch.full((3,), float(rank + offset))
+    dist.all_reduce(t)
+    return rank, world_size, t.tolist()
+
+
+def _fails_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    return rank
+
+
+def _hangs_on_rank_one(rank, world_size):
+    if rank == 1:
+        import time
+        time.sleep(60)
+    return rank
+
+
+def test_run_ranks_results_by_rank_and_errors_with_traceback():
+    assert run_ranks(_rank_and_world, 3, 1) == [(r, 3, [6.0] * 3) for r in range(3)]  # 1 + 2 + 3
+    with pytest.raises(MeasureError, match="rank 1:(.|\n)*ValueError: rank one refuses"):
+        run_ranks(_fails_on_rank_one, 2, timeout=30)
+    with pytest.raises(MeasureError, match="^1 of 2 ranks did not answer within 2 s$"):
+        run_ranks(_hangs_on_rank_one, 2, timeout=2)  # the sleeping rank is killed
+    with pytest.raises(MeasureError, match="world_size must be >= 1, got 0"):
+        run_ranks(_rank_and_world, 0, 1)
+
+
+def test_ddp_needs_the_iteration_that_rebuilds_its_buckets():
+    with pytest.raises(MeasureError, match="steps=2 .need >= 3"):
+        distributed_step(_ddp("sgd"), 2, steps=2, timeout=60)
+
+
+def test_storage_bytes_counts_a_storage_once():
+    t = torch.zeros(10)
+    assert storage_bytes([t, t[2:], {"a": t.view(2, 5)}, torch.zeros(3, dtype=torch.float64)]) == 40 + 24
+
+
+# --------------------------------------------------------------------------- what gloo allocates
+
+
+def _gloo_scratch(rank, world_size):
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from symmem.measure import inference_pass
+    x, out, part = torch.ones(1000), torch.empty(2000), torch.empty(1000)  # 4000, 8000, 4000 bytes
+    # The tracker's peak over the collective beside the profiler's allocations (aten::empty*,
+    # the thread that ran the c10d operator named "caller").
+    collectives = {"all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, x),
+                   "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(part, out),
+                   "all_reduce": lambda: dist.all_reduce(x)}
+    found = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the *_tensor names are deprecated
+        for name, fn in collectives.items():
+            fn()
+            report, _ = inference_pass(nn.Module(), fn, extra=[x, out, part])
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                fn()
+            events = list(prof.events())
+            caller = next(e.thread for e in events if e.name.startswith("c10d::"))
+            allocs = [(e.name, e.cpu_memory_usage, "caller" if e.thread == caller else "gloo thread")
+                      for e in events if e.name in ("aten::empty", "aten::empty_strided")
+                      and e.cpu_memory_usage > 0]
+            found[name] = (report.peak - report.at_start, allocs)
+    return found
+
+
+def test_gloo_collectives_allocate_scratch_the_tracker_does_not_see():
+    # all_gather_into_tensor of 1000 floats on 2 ranks: ProcessGroupGloo allocates a flat
+    # 8000-byte output inside the c10d operator (the tracker, seeing only the operator's
+    # arguments and result, misses it) and another on gloo's worker thread (another thread:
+    # missed too), copied into the output's chunks there. reduce_scatter_tensor clones its
+    # 8000-byte input inside the operator and all-reduces the clone on the worker thread;
+    # the caller then copies this rank's chunk out (aten.chunk, aten.copy_ on the clone):
+    # the tracker meets the clone there and counts it, 8000 bytes, until it is freed.
+    # all_reduce works in place (gloo's ring buffers are its own, outside ATen): 0.
+    # NCCL has none of these: it reads and writes the given tensors directly.
+    for found in run_ranks(_gloo_scratch, 2):
+        assert found == {
+            "all_gather_into_tensor": (0, [("aten::empty", 8000, "caller"), ("aten::empty", 8000, "gloo thread")]),
+            "reduce_scatter_tensor": (8000, [("aten::empty_strided", 8000, "caller")]),
+            "all_reduce": (0, []),
+        }
+
+
+# --------------------------------------------------------------------------- a tiny Llama
+
+# Llama with h = 16, f = 40, a = 2 heads, k = 1 key/value head (d_h = 8), L = 2, V = 99,
+# untied head, eager attention; b = 2, s = 8.
+LLAMA_PARAMS = 2 * 99 * 16 + 16 + 2 * (2 * 16 * 16 + 2 * 8 * 16 + 3 * 40 * 16 + 2 * 16)  # 8624
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=2,
+                                   num_key_value_heads=1, num_hidden_layers=2, vocab_size=99,
+                                   max_position_embeddings=64, attn_implementation="eager",
+                                   use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 99, (2, 8))
+    return model, ids
+
+
+def _llama_loss(ids):
+    return lambda m: m(ids, labels=ids).loss
+
+
+def _llama_setup(kind, wrap):
+    def setup(rank, world_size):
+        model, ids = _llama()
+        if wrap == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            model = DistributedDataParallel(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (world_size,))
+            for module in (*model.model.layers, model):
+                fully_shard(module, mesh=mesh, reshard_after_forward=wrap == "full")
+                _reproducible_collectives(module)
+        return RankSetup(model, _llama_loss(ids), _optimizer(kind, model.parameters()), [ids])
+    return setup
+
+
+def test_llama_ddp_rank_is_one_process_plus_its_bucket():
+    model, ids = _llama()
+    assert sum(p.numel() for p in model.parameters()) * 4 == LLAMA_PARAMS * 4 == 34_496
+    single = training_step(model, _llama_loss(ids), _optimizer("adamw", model.parameters()),
+                           steps=3, extra=[ids])
+    ranks = distributed_step(_llama_setup("adamw", "ddp"), 2, keep_timeline=False)
+    for r in ranks:
+        # 34,496 bytes < 1 MiB: one bucket holding every gradient, extra at every phase.
+        assert (r.params, r.grads, r.buckets, r.bucket_sizes) == (34_496, 34_496, 34_496, (34_496,))
+        assert _phases(r.step) == tuple(v + 34_496 for v in _phases(single))
+        assert r.step.peak_phase == single.peak_phase
+
+
+def test_llama_fsdp2_shards_per_rank():
+    # Each parameter's dim 0 padded to even, half a rank: embedding and head 99 -> 100 rows, 50
+    # a rank: 2 * 50 * 16 = 1600; per layer q 8 * 16 + k, v 4 * 16 each + o 8 * 16 + gate, up
+    # 20 * 16 each + down 8 * 40 + two norms 8 each = 1360, twice; the final norm 8:
+    # 1600 + 2720 + 8 = 4328 elements = 17,312 bytes on each rank, parameters and gradients.
+    # AdamW's states follow the unpadded rows: rank 1 holds 49 rows of the embedding and of
+    # the head (4296 elements); 21 parameters, one 4-byte step each.
+    shard = 2 * 50 * 16 + 2 * (8 * 16 + 2 * 4 * 16 + 8 * 16 + 3 * 320 + 2 * 8) + 8
+    assert shard == 4328
+    ranks = distributed_step(_llama_setup("adamw", "full"), 2, keep_timeline=False)
+    assert [(r.params, r.grads, r.optimizer_state) for r in ranks] == [
+        (shard * 4, shard * 4, 2 * shard * 4 + 21 * 4),  # 17,312, 17,312, 34,708
+        (shard * 4, shard * 4, 2 * (shard - 32) * 4 + 21 * 4)]  # 34,452
+    for r in ranks:
+        # At the start: shards, states, the rotary buffers inv_freq and original_inv_freq
+        # (4 floats each, not sharded: 32) and the ids (2 * 8 int64: 128).
+        assert r.step.at_start == shard * 4 + r.optimizer_state + 32 + 128
