@@ -135,3 +135,20 @@ def test_repeat_kv_cases_are_requirements():
         gqa.at(b=2, s=8, k=4)
     assert "grouped-query attention (k < a)" in str(e.value)
     assert any(sm.symbols.k in t.free_symbols for t in gqa.totals)      # the formulas stay in k
+
+
+def test_cli_reports_the_region_of_its_sequence(capsys, tmp_path):
+    """``symmem estimate`` names the kernel and gives the bytes of the region its --seq is in."""
+    import json
+    from symmem.cli import main
+    cfg = {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "sliding_window": W}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    est = sm.estimate(sm.models.from_hf_config(cfg), sm.Policy("bf16-mixed", "adamw", "cuda"))
+    for seq, kernel in ((W - 1, "flash"), (W, "mem-efficient")):
+        assert main(["estimate", "--config", str(path), "--seq", str(seq), "--batch", "2", "--precision",
+                     "bf16-mixed", "--device", "cuda", "--format", "json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["inputs"]["attention_kernels"] == [kernel]
+        assert out["bytes"]["peak"] == est.at(b=2, s=seq).peak
