@@ -186,6 +186,10 @@ class Footprint:
     # the node's saved tensors are released), as measured for convolutions under
     # symmem.measure's dispatch mode (``rules.vision.conv2d_rule``).
     sum_out_of_place: bool = False
+    # The index (in node.params) of a parameter whose gradient is the output's gradient itself:
+    # a view AccumulateGrad keeps (ViT's class token at b = 1, where ExpandBackward0's sum over
+    # a batch of one returns its input), so that storage lives on as the parameter's gradient.
+    grad_view_param: int | None = None
 
     @property
     def late_inputs(self) -> tuple:
