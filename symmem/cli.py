@@ -402,6 +402,7 @@ def _report(args, policy: Policy) -> dict:
     """What ``args.format`` prints, computed once: the formulas as text (the peak's candidates,
     its LaTeX, each component) for JSON alone, the regions for JSON and the table."""
     est = _load(args, policy)
+    est = est._region({"s": args.seq})     # past a sliding window: that region (kernels, formulas)
     bindings = est.bindings
     inference = policy.mode == "inference"
     ev = est.at(b=args.batch, s=args.seq, **_decoder(args), **({"n_g": args.new_tokens} if inference else {}))

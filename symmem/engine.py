@@ -266,6 +266,25 @@ class Estimate:
                 and {sp.expand(t.xreplace(at)) for t in one.totals} == {sp.expand(t.xreplace(at)) for t in self.totals})
         return self if same else one
 
+    @cached_property
+    def past_window(self) -> "Estimate":
+        """The step from s = the model's sliding window on, where transformers passes SDPA
+        the window's boolean mask (:func:`symmem.passes.attention.past_window`): derived
+        when first asked, or this estimate itself where the window changes nothing the
+        kernel keeps. :meth:`at` uses it for such s; each region's formulas carry their
+        requirement on s."""
+        graph = passes.attention.past_window(self.graph, self.policy)
+        return self if graph is None else estimate(graph, self.policy)
+
+    def _region(self, values: dict) -> "Estimate":
+        """The estimate whose formulas hold at ``values``: :attr:`past_window` from s = the
+        sliding window on, else this one."""
+        window = passes.attention.window_of(self.graph)
+        seq = values.get("s", values.get(s))
+        if window is None or not isinstance(seq, (int, sp.Integer)) or seq < window:
+            return self
+        return self.past_window
+
     def cases(self, component: str = "peak") -> sp.Expr:
         """The formula with its case split: ``Piecewise((at b = 1, Eq(b, 1)), (the formula,
         True))`` where the step at b = 1 differs (:attr:`at_one`), else the formula."""
@@ -431,6 +450,8 @@ class Estimate:
     def at(self, **values) -> Evaluation:
         """Exact integer bytes at ``values`` (e.g. ``b=8, s=1024``), over the model's bindings
         (at b = 1, the step derived for it: :attr:`at_one`)."""
+        if self._region(values) is not self:
+            return self._region(values).at(**values)
         subs = self._subs(values)
         if subs.get(b) == 1 and self.at_one is not self:
             return self.at_one.at(**values)

@@ -238,6 +238,7 @@ class _Lowering:
             events.append(Alloc(gkey, nbytes, "transient"))
         # torch.autograd.backward holds the root gradient (grad_tensors_) until it returns
         grads, refs, seen = {loss: gkey}, {gkey: 2 if gkey in held else 1}, set()
+        self._kept = {}       # gradient storages a parameter's gradient keeps as a view
         for inst in reversed(self.order):
             if not isinstance(inst, Instance):
                 kind, rep, c = inst
@@ -286,6 +287,9 @@ class _Lowering:
                     continue     # a frozen weight gets no gradient
                 if key in seen:           # a tied weight: a second gradient, added in below
                     tied += grad_bytes(p)
+                elif i == fp.grad_view_param:     # the output's gradient becomes it (no new bytes)
+                    seen.add(key)
+                    self._kept[g] = Key("grad", key.name, key.copy)
                 else:
                     seen.add(key)
                     out.append(Alloc(Key("grad", key.name, key.copy), grad_bytes(p), "grads"))
@@ -301,6 +305,8 @@ class _Lowering:
         del grads[me]
         if refs[g] == 0:
             out.append(Free(g, self._grad_bytes(g), "transient"))
+            if g in self._kept:           # a parameter's gradient keeps the storage
+                out.append(Alloc(self._kept.pop(g), self._grad_bytes(g), "grads"))
         out.append(Release(autograd(inst.name, inst.copy)))
         left = sum((half for *_, half in fp.cast_back), ZERO)
         other = fp.bwd_temp - left

@@ -184,6 +184,7 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=None, direction: str = 
     bud = as_budget(budget, reserve)
     total, res = bud.total, bud.reserve
     usable = total - res
+    est = est._region(fixed)        # s fixed at or past a sliding window: that region's formulas
     subs = est._subs(fixed)
     subs.pop(x, None)
     peak = _Peak(est, x, subs)

@@ -260,15 +260,17 @@ def test_mistral_and_qwen2_preset_counts(name, count):
     assert sm.estimate(name, sm.Policy("fp32", "sgd")).at(b=1, s=128).bytes["params"] == 4 * count
 
 
-def test_a_sequence_beyond_the_sliding_window_is_refused_with_sdpa():
-    """Mistral 7B v0.1's window is 4096 tokens: at s = 4096 transformers materialises the
-    window's mask for SDPA (a float copy saved, k and v repeated), which is not modelled; eager
+def test_a_sequence_from_the_sliding_window_on_is_its_own_region_with_sdpa():
+    """Mistral 7B v0.1's window is 4096 tokens: from s = 4096 on transformers materialises the
+    window's mask for SDPA (a float copy saved, k and v repeated), the estimate's past_window
+    region, which ``at`` uses by itself (measured in tests/test_window_measured.py); eager
     attention builds the same mask either way."""
     est = sm.estimate("mistral-7b", sm.Policy("bf16-mixed"))
-    assert est.at(b=1, s=4095).peak > 0
+    assert est.at(b=1, s=4096).peak > est.at(b=1, s=4095).peak
+    assert est.at(b=1, s=4096).bytes == est.past_window.at(b=1, s=4096).bytes
     with pytest.raises(sm.errors.SymmemError) as e:
-        est.at(b=1, s=4096)
-    assert "sliding window (4096)" in str(e.value) and "--attention eager" in str(e.value)
+        est.check(est._subs({"b": 1}) | {sm.symbols.s: 4096})
+    assert "sliding window (4096)" in str(e.value) and "past_window" in str(e.value)
     assert sm.estimate("mistral-7b", sm.Policy("bf16-mixed", attention="eager")).at(b=1, s=8192).peak > 0
 
 

@@ -15,8 +15,9 @@ The model (transformers 5.24's ``modeling_bert.py``):
 * the attention mask: ``create_bidirectional_mask`` (:func:`~symmem.rules.encoders.padding_mask_rule`);
   without padding (symmem's ``padded: false``, the default: texts packed into full
   sequences, as ``run_mlm.py`` groups them) it is skipped; with padding
-  (``padded: true``) the additive (b, 1, s, s) mask is made, which symmem models for eager
-  attention (SDPA's boolean mask is refused);
+  (``padded: true``) eager attention gets the additive (b, 1, s, s) mask, SDPA the boolean
+  one, which it converts to a float copy in each layer (:func:`symmem.passes.attention._masked`;
+  flash_attention_2, which unpads the batch, is refused);
 * ``L`` layers: q, k, v projections with biases, non-causal attention (one ``attention``
   node the policy's kernel replaces; eager runs ``softmax(q k^T * scale + mask)`` without a
   cast of the probabilities, dropout ``attention_probs_dropout_prob``), the output dense,
@@ -62,8 +63,8 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu_ne
 class BertConfig:
     """The fields of Hugging Face's BertConfig that decide memory, with its defaults
     (bert-base-uncased's shape). ``padded`` (symmem's, not transformers'): the batches carry
-    padding (some ``attention_mask`` entry is 0), so transformers materialises the
-    (b, 1, s, s) additive mask; false: full sequences, no mask."""
+    padding (some ``attention_mask`` entry is 0), so transformers materialises a
+    (b, 1, s, s) mask (additive for eager, boolean for SDPA); false: full sequences, no mask."""
     vocab_size: int = 30522
     hidden_size: int = 768
     num_hidden_layers: int = 12

@@ -10,8 +10,10 @@ q, k, v projections (with biases where ``qkv_bias``), attention without a mask (
 add; layer norm, ``fc1``, GELU, ``fc2``, dropout, residual add. A final layer norm, the class
 token's row (``sequence_output[:, 0, :]``, a view), the classifier and ``F.cross_entropy``.
 
-The step is derived for b >= 2 (at b = 1 the class token's gradient is a view of the
-embeddings' whole gradient, kept through the optimizer step: refused with the reason).
+At b = 1 (:attr:`~symmem.engine.Estimate.at_one`) the class token's gradient is a view of
+the embeddings' whole (1, 1 + HW/P^2, h) gradient, which AccumulateGrad keeps through the
+optimizer step (:func:`~symmem.rules.vision.cls_concat_rule`); the ``grads`` component still
+counts the token's own h elements.
 
 Symbols: ``b``, ``h``, ``a``, ``L``, ``f``, the image's ``H``, ``W``, ``C``, the patch size ``P``
 and the classes ``n_c``; the sequence is 1 + HW/P^2 tokens. All are bound to the config
@@ -109,11 +111,6 @@ def build_vit(cfg: ViTConfig) -> Graph:
     g.require(a, h, "the attention heads split the hidden size evenly", kind="divides")
     g.require(P, H, "the image height is a whole number of patches", kind="divides")
     g.require(P, W, "the image width is a whole number of patches", kind="divides")
-    # at b = 1 the class token's gradient is not summed over the batch: the engine keeps a view
-    # of the concatenation's whole (1, 1 + HW/P^2, h) gradient as cls_token.grad through the
-    # optimizer step (measured), which the graph does not express
-    g.require(2, b, "the class token's gradient is its own tensor from b = 2 on (at b = 1 it is a view "
-                    "that keeps the embeddings' whole gradient alive, not modelled)")
     tokens = H * W / P ** 2 + 1
     pixels = g.input("pixel_values", (b, C, H, W), dtype="param")
     labels = g.input("labels", (b,))

@@ -25,24 +25,33 @@ picks its backend per device, dtype and dropout as PyTorch does) and rewrites th
 
 Every kernel but eager is called with ``is_causal=True`` and no mask: transformers'
 ``create_causal_mask`` returns None for them when nothing is padded, so the model's
-``causal_mask`` node is removed too. The replacement's nodes keep the attention node's
+``causal_mask`` node is removed too. Two cases get a boolean mask instead (:func:`_masked`):
+a sliding window from s = window on (the graph :func:`past_window` marks; below the window
+the formulas require s < window) and a padded batch (BERT's ``padded``); SDPA converts the
+mask to a float copy in each layer, and grouped-query k and v are repeated. Eager attention
+and the masked path repeat k and v by the groups the model's bound a/k gives (:func:`_groups`:
+none at k = a, as ``repeat_kv`` returns its input), each case under its requirement. The replacement's nodes keep the attention node's
 scope attributes (``recompute="attention"`` for selective recomputation). A node with
 ``kernels`` (a tuple of kernel names) is modelled for those only: another is refused.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import sympy as sp
 
 from ..errors import ConfigError
 from ..graph import Graph
 from ..policy.attention import check_kernel, resolve, sdpa_backend
+from ..symbols import symbol
+from .regions import mark
 
-__all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS"]
+__all__ = ["prepare", "apply", "kernel_of", "kernels", "OWN_ATTRS", "window_of", "past_window"]
 
 #: The attention node's own attributes (the others are scope attributes its replacement keeps;
 #: it adds ``attention_kernel``, the kernel that made it).
 OWN_ATTRS = ("dropout", "causal", "weights_until", "groups", "probs_like", "softmax_float32", "returns_after",
-             "window", "padded", "kernels", "bias_mask")
+             "window", "padded", "kernels", "bias_mask", "window_masked")
 
 
 def kernel_of(policy, dtype: str, dropout, head_dim, model_choice=None) -> tuple[str, tuple]:
@@ -63,8 +72,20 @@ def prepare(graph: Graph, policy) -> Graph:
 
     def rewrite(node, sub: Graph) -> bool:
         if node.op == "causal_mask":      # removed where only attention reads it: is_causal instead
-            return (resolve(policy.attention, graph.attention) != "eager"
-                    and node.name not in masks_read_elsewhere)
+            if not _masks_window(policy, graph) or not node.attr("window_masked"):
+                return (resolve(policy.attention, graph.attention) != "eager"
+                        and node.name not in masks_read_elsewhere)
+            # from s = window on: sdpa_mask's boolean (1, 1, s, s) mask, expanded to the batch
+            attrs = {key: value for key, value in node.attrs if key not in ("window_masked", "kv_len")}
+            m = sub.add("window_mask", *node.inputs, **attrs, name=node.name + "/bool")
+            sub.add("mask_expand", m, *node.inputs, **attrs, name=node.name)
+            return True
+        if node.op == "padding_mask" and node.attr("padded") and not node.attr("boolean"):
+            if resolve(policy.attention, graph.attention) == "eager":
+                return False
+            # SDPA gets sdpa_mask's boolean (b, 1, s, s) mask (no eager_mask after it)
+            sub.add("padding_mask", *node.inputs, **{**dict(node.attrs), "boolean": True}, name=node.name)
+            return True
         if node.op != "attention":
             return False
         q, k, v = node.inputs[:3]
@@ -77,16 +98,31 @@ def prepare(graph: Graph, policy) -> Graph:
                               f"({', '.join(node.attr('kernels'))})",
                               f"Use --attention {node.attr('kernels')[0]} (attn_implementation="
                               f"\"{node.attr('kernels')[0]}\").")
-        needs.extend(n.requirement(d) for n in head_needs)
+        masked = node.attr("window") is not None and _masks_window(policy, graph)
         if node.attr("padded") and kernel != "eager":
-            raise ConfigError("attention", kernel, "eager attention for batches with padding (padded: true)",
-                              "transformers then passes SDPA a boolean (b, 1, s, s) mask, which symmem does not "
-                              "model: use --attention eager, or padded: false for batches without padding.")
-        if node.attr("window") is not None and kernel != "eager":
-            needs.append(_window_requirement(sub.shape(q)[-2], node.attr("window")))
+            if resolve(policy.attention, graph.attention) == "flash" and policy.device == "cuda":
+                raise ConfigError("attention", kernel, "eager or sdpa attention for batches with padding "
+                                  "(padded: true)", "flash_attention_2 unpads the batch into variable-length "
+                                  "sequences, which symmem does not model: use --attention sdpa or eager.")
+        with_mask = (masked and node.attr("window_masked")) or (node.attr("padded") and kernel != "eager")
+        if with_mask and policy.device == "cuda" and kernel in ("flash", "cudnn"):
+            # SDPA's flash kernel takes no attn_mask (sdp_utils.cpp's check_for_attn_mask):
+            # PyTorch falls back to the mem-efficient one, which takes the float mask
+            kernel = "mem-efficient"
+            head_needs = check_kernel(kernel, policy.device, ctx.act_name, d.xreplace(graph.bindings))
+        needs.extend(n.requirement(d) for n in head_needs)
+        if kernel == "eager" or with_mask:
+            node, need = _groups(node, graph.bindings)
+            if need:
+                needs.append(need)
+        if masked:
+            needs.append(_window_requirement(sub.shape(q)[-2], node.attr("window"), node.attr("window_masked")))
         scope = {key: value for key, value in node.attrs if key not in OWN_ATTRS}
         with sub.scope(**scope, attention_kernel=kernel):
-            KERNELS[kernel](node, sub, ctx)
+            if with_mask:
+                _masked(node, sub, ctx, kernel)
+            else:
+                KERNELS[kernel](node, sub, ctx)
         return True
 
     out = graph.rewritten(rewrite)
@@ -95,16 +131,81 @@ def prepare(graph: Graph, policy) -> Graph:
     return out
 
 
-def _window_requirement(seq, window) -> tuple:
-    """A sliding window (``window``: its length) changes nothing eager allocates: transformers
-    builds the same (b, 1, s, s) float mask with other values (measured). The other kernels get
-    no mask and ``is_causal`` only while the sequence is shorter than the window; from s =
-    window on, ``sdpa_mask`` materialises a boolean mask, SDPA converts it to a float copy that
-    it saves, and transformers repeats k and v instead of passing ``enable_gqa``: not modelled,
-    so a requirement."""
+def _masks_window(policy, graph: Graph) -> bool:
+    """Does a sliding window change what the kernel keeps? Every kernel but eager (which
+    gets the same (b, 1, s, s) float mask whatever the window: its values differ) and
+    CUDA's flash (``flash_attention_2``, which takes the window as an argument)."""
+    kernel = resolve(policy.attention, graph.attention)
+    return kernel != "eager" and not (kernel == "flash" and policy.device == "cuda")
+
+
+def _window_requirement(seq, window, past: bool) -> tuple:
+    """Where the formulas of an SDPA kernel hold for a sliding window of ``window``: below it
+    (``past`` False), transformers calls SDPA with ``is_causal`` and no mask
+    (``_ignore_causal_mask_sdpa``); from s = window on (``past`` True), ``sdpa_mask``
+    materialises the window's boolean mask (:func:`_masked`). An estimate derives
+    the second region when it is asked for it (:attr:`symmem.engine.Estimate.past_window`)."""
+    if past:
+        return (window, seq, f"from the sliding window ({window}) on, transformers passes SDPA the window's "
+                             "boolean mask; a shorter sequence gets is_causal and no mask (the estimate's "
+                             "other region)", "at most")
     return (seq, window - 1, f"the sequence is shorter than the sliding window ({window}): transformers then "
-                             "calls SDPA with is_causal and no mask; a longer one materialises the window's "
-                             "mask, which symmem models for eager attention only (--attention eager)", "at most")
+                             "calls SDPA with is_causal and no mask; from the window on it materialises the "
+                             "window's mask (the estimate's past_window region, which est.at uses by itself)",
+            "at most")
+
+
+def _groups(node, bindings) -> tuple:
+    """The attention node with the groups transformers' ``repeat_kv`` really repeats by, and
+    the requirement that keeps that true (None where groups are a number or unbound).
+
+    ``repeat_kv(x, n_rep)`` returns x itself when n_rep == 1 and copies otherwise, so a
+    symbolic a/k cannot stand for both: the model's bound values choose. Multi-head (a/k
+    binds to 1): groups 1 (no copy), under the requirement a <= k (with k | a: k = a);
+    grouped-query: the copies, under k <= a - 1. A requirement, not a Piecewise, because the
+    two cases differ in which tensors exist and live how long (the copies and their
+    gradients), not in one size: two graphs, each with its region."""
+    n = sp.sympify(node.attr("groups", 1))
+    if n.is_number:
+        return node, None
+    subs = {symbol(key) if isinstance(key, str) else key: value for key, value in bindings.items()}
+    bound = n.xreplace(subs)
+    if not bound.is_number:
+        return node, None
+    heads, kv = sp.fraction(n)
+    if bound == 1:
+        attrs = tuple(sorted({**dict(node.attrs), "groups": 1}.items()))
+        return replace(node, attrs=attrs), (heads, kv, "multi-head attention (k = a): transformers' repeat_kv "
+                                            "returns k and v themselves, where fewer kv heads are copied to a "
+                                            "heads; build the model with that num_key_value_heads", "at most")
+    return node, (kv, heads - 1, "grouped-query attention (k < a): transformers' repeat_kv copies k and v to a "
+                                 "heads, where with k = a it returns them themselves; build the model with "
+                                 "num_key_value_heads = num_attention_heads", "at most")
+
+
+def _windowed(graph: Graph) -> list:
+    """The graph's attention nodes with a sliding window."""
+    return [item for g in graph.graphs() for item in g.items
+            if getattr(item, "op", None) == "attention" and item.attr("window") is not None]
+
+
+def window_of(graph: Graph):
+    """The sliding window of the graph's attention (None: none)."""
+    nodes = _windowed(graph)
+    return nodes[0].attr("window") if nodes else None
+
+
+def past_window(graph: Graph, policy):
+    """The model from s = its sliding window on, where transformers passes SDPA the window's
+    boolean mask: ``graph`` with its causal mask and attention nodes marked
+    ``window_masked``; None where the window changes nothing the kernel keeps (eager
+    attention, CUDA's flash_attention_2, no window, inference) or that is marked already."""
+    nodes = _windowed(graph)
+    if (not nodes or any(n.attr("window_masked") for n in nodes) or policy.mode != "training"
+            or not _masks_window(policy, graph)):
+        return None
+    return mark(graph, lambda node: node.op in ("causal_mask", "attention") and
+                (node.op == "causal_mask" or node.attr("window") is not None), window_masked=True)
 
 
 def kernels(graph: Graph) -> tuple[str, ...]:
@@ -207,6 +308,36 @@ def _math_ops(node, g: Graph, ctx, attn_mask=None) -> None:
         g.add("to_compute", z, name=node.name)
     else:
         g.add("matmul", z, v, name=node.name)
+
+
+def _masked(node, g: Graph, ctx, kernel: str) -> None:
+    """SDPA given a boolean mask (the node's input after v): a sliding window's from s = the
+    window on, or a padded batch's (BERT). ``sdpa_attention_forward`` with a mask: with a
+    mask ``use_gqa_in_sdpa`` is False on the CPU and CUDA, so grouped-query k and v are
+    repeated (``repeat_kv``: copies, alive until the function returns) instead of passing
+    ``enable_gqa``; ``is_causal`` is False; SDPA converts the boolean mask to a float
+    (b, 1, s, s) copy in the query's dtype (:func:`~symmem.rules.masks.sdpa_bool_mask_rule`).
+    CPU flash saves that copy as its ``attn_mask`` (measured); the math kernel adds it in
+    place to the scores and drops it when it returns; CUDA's mem-efficient kernel saves it as
+    its ``attn_bias``, padded to a multiple of 16 columns (``preprocess_mask``: derived, not
+    measured)."""
+    q, k, v, mask = node.inputs[:4]
+    pre = _prefix(node)
+    groups = node.attr("groups", 1)
+    if sp.sympify(groups) != 1:
+        k = g.add("repeat_kv", k, groups=groups, name=pre + "k_repeated")
+        v = g.add("repeat_kv", v, groups=groups, name=pre + "v_repeated")
+        for x in (k, v):         # sdpa_attention_forward's key, value until it returns
+            g.hold(x, until=node.attr("returns_after", node.name))
+    m = g.add("sdpa_bool_mask", mask, q, name=pre + "attn_mask")
+    if kernel == "math":
+        g.hold(m, until=node.name)         # scaled_dot_product_attention's local attn_mask
+        plain = replace(node, inputs=(q, k, v), attrs=tuple((key, value) for key, value in node.attrs
+                                                           if key != "causal"))
+        with g.scope(autocast=False):
+            _math_ops(plain, g, ctx, m)
+        return
+    g.add("sdpa_kernel", q, k, v, m, kernel=kernel, dropout=node.attr("dropout", 0.0), name=node.name)
 
 
 def _fused(kernel):

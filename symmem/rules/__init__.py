@@ -43,6 +43,8 @@ Layout (module -> rules):
 - ``embeddings``: embedding, positions, position_embedding, ones_like_ids, cumsum_positions,
   offset_ids (OPT's positions), rotary, rope, causal_mask;
 - ``losses``: nll_loss;
+- ``masks``: window_mask, mask_expand, sdpa_bool_mask (a sliding window's boolean mask for SDPA, and SDPA's
+  float copy of it);
 - ``moe``: reshape, topk_indices, topk, sum_last, div_inplace, index_tensor, gather_rows,
   grouped_mm, sum_topk (a mixture of experts' router and dispatch);
 - ``encoders``: buffer_slice, padding_mask, cross_entropy_cast (BERT);
@@ -75,6 +77,7 @@ from .embeddings import (causal_mask_rule, cumsum_positions_rule, embedding_rule
 from .fp8 import linear_fp8_rule
 from .linalg import linear_rule, matmul_rule
 from .losses import nll_loss_rule
+from .masks import mask_expand_rule, sdpa_bool_mask_rule, window_mask_rule  # noqa: F401
 from .moe import (div_inplace_rule, gather_rows_rule, grouped_mm_rule, index_tensor_rule, reshape_rule,
                   sum_last_rule, sum_topk_rule, topk_indices_rule, topk_rule)
 from .normalization import layer_norm_rule, log_softmax_rule, rms_norm_rule, softmax_rule

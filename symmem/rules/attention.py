@@ -91,7 +91,12 @@ def sdpa_kernel_rule(node, ins, ctx):
     Not counted either: FlashAttention's split-KV scratch in forward, used only without
     dropout when b*a*ceiling(s/64) is below 1.6 times the GPU's multiprocessors (small
     batches), and the padded copies of q, k and v it makes when d is not a multiple of
-    8 (the attention pass requires 8 | d instead)."""
+    8 (the attention pass requires 8 | d instead).
+
+    A fourth input is a float ``attn_mask`` (a sliding window's, converted by SDPA:
+    :mod:`symmem.rules.masks`): CPU flash saves it; CUDA's mem-efficient kernel saves it as
+    ``attn_bias``, its last dimension padded to a multiple of 16 (``preprocess_mask`` in
+    ``attention.cpp``; derived, not measured)."""
     q, k, v = _qkv(node, ins)
     kernel = node.attr("kernel")
     bb, aa, ss, dd = q.shape
@@ -110,6 +115,20 @@ def sdpa_kernel_rule(node, ins, ctx):
         else:
             raise ConfigError(f"input of {node.name!r}", t.dtype.name, f"q, k and v in one dtype ({dt.name})")
     saved += [Saved("output", "out"), Saved("log-sum-exp", "new", bb * aa * rows, F32, after=True)]
+    fwd_temp = sp.Integer(0)
+    if len(ins) > 3:                      # a float attn_mask (b, 1, s, s_k): kept for backward
+        m = ins[3]
+        if kernel != "mem-efficient":
+            saved.append(Saved("attention mask", "in3"))
+        else:
+            # preprocess_mask: a last dimension not a multiple of 16 is padded (pad_bias: a new
+            # tensor, the unpadded mask freed when SDPA returns); the padded one is kept. As
+            # bytes: the mask kept, the padding's columns new, and during the kernel the
+            # unpadded mask beside the padded one when 16 does not divide s_k (ceiling - floor).
+            cols = m.shape[-1]
+            saved += [Saved("attention mask", "in3"),
+                      Saved("attention mask padding", "new", m.numel / cols * (_round(cols, 16) - cols), m.dtype)]
+            fwd_temp = m.numel * m.dtype.nbytes * (sp.ceiling(cols / 16) - sp.floor(cols / 16))
     if ctx.device == "cuda":
         if RNG_BYTES[kernel]:
             saved.append(Saved("RNG state", "new", sp.Integer(RNG_BYTES[kernel]), BYTE, after=True))
@@ -123,7 +142,8 @@ def sdpa_kernel_rule(node, ins, ctx):
     seq_major = kernel != "flash" or not q.contiguous
     out = TensorInfo(tuple(q.shape[:-1]) + (v.shape[-1],), dt, not seq_major, True, seq_major=seq_major)
     # autocast casts q, k, v right to left, so their cast-backs run q, k, v (as linear's do)
-    return Footprint(out, saved=tuple(saved), grads=_grads(ins), bwd_temp=bwd_temp, cast_back=tuple(late))
+    return Footprint(out, saved=tuple(saved), grads=_grads(ins), fwd_temp=fwd_temp, bwd_temp=bwd_temp,
+                     cast_back=tuple(late))
 
 
 @rule("sdpa_causal_mask")

@@ -181,6 +181,10 @@ class Footprint:
     # its half copy freed, before the next; the half copies are in bwd_temp too (the node's
     # kernels make them).
     cast_back: tuple = ()
+    # The index (in node.params) of a parameter whose gradient is the output's gradient itself:
+    # a view AccumulateGrad keeps (ViT's class token at b = 1, where ExpandBackward0's sum over
+    # a batch of one returns its input), so that storage lives on as the parameter's gradient.
+    grad_view_param: int | None = None
 
     @property
     def late_inputs(self) -> tuple:

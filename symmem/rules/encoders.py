@@ -38,10 +38,21 @@ def padding_mask_rule(node, ins, ctx):
     tensors exist instead of the (b, 1, s, s) output: larger only for tiny b*s^2 (s < 16 at
     b = 1 in bfloat16), and always below the embeddings' dropout just before it, which holds
     (b, s, h) tensors.
+    For SDPA (``boolean=True``, set by the attention pass) ``sdpa_mask`` returns the boolean
+    (b, 1, s, s) mask itself, which SDPA converts to a float copy in each layer
+    (:func:`~symmem.rules.masks.sdpa_bool_mask_rule`).
     Without padding (``padded=False``) the mask is skipped (``allow_is_bidirectional_skip``):
     the output is a view of the 2-D mask, which no op reads; only the boolean copy existed."""
     m, x = ins
     bb, ss = m.shape
+    if node.attr("padded") and node.attr("boolean"):
+        # SDPA (sdpa_mask, no eager_mask after it): the boolean (b, 1, s, s) mask itself; at
+        # the last `&` the boolean copy, padding_mask[batch_arange, kv_arange] (b*s bytes
+        # each), the bidirectional part (1, 1, s, 1) and the int64 ranges (b, 1, s and s
+        # elements) exist beside it
+        temp = (2 * bb * ss + ss) * BOOL.nbytes + 8 * (bb + 1 + 2 * ss)
+        return Footprint(TensorInfo((bb, sp.Integer(1), ss, ss), BOOL, True, False), fwd_temp=temp,
+                         grads=(None, None))
     if not node.attr("padded"):
         return Footprint(TensorInfo(tuple(m.shape), m.dtype, True, False), alias=0, fwd_temp=bb * ss,
                          grads=(None, None))

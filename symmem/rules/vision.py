@@ -212,14 +212,21 @@ def cls_concat_rule(node, ins, ctx):
     dtype (a half projection under autocast beside the float32 token) CPU autocast's promote
     policy for ``cat`` casts x to float32 first (a copy, freed when cat returns) and backward casts
     its gradient back (a new half tensor); on CUDA the engine converts it (the same bytes). The
-    class token's gradient is ExpandBackward0's sum over the batch."""
+    class token's gradient is ExpandBackward0's sum over the batch; at b = 1 (``ctx.batch_one``)
+    that sum returns the slice of the output's gradient, a view AccumulateGrad keeps, so the
+    whole (1, 1 + n, h) gradient lives on as ``cls_token.grad`` (``grad_view_param``) through
+    the optimizer step."""
     x = ins[0]
     (cls,) = node.params
     dt = _promote(ctx.param_dtype, x.dtype)
     same = ctx.same(dt, x.dtype)
     out = TensorInfo((x.shape[0], x.shape[1] + 1, x.shape[2]), dt)
     temp = 0 if same or ctx.autocast_dtype("cat", dt, x.dtype) is None else x.numel * dt.nbytes
-    return Footprint(out, fwd_temp=temp, grads=_grads(ins, "pass" if same else "new"))
+    # at b = 1 ExpandBackward0's sum over the batch returns the slice of the output's gradient
+    # itself, and AccumulateGrad keeps that view as cls_token.grad: the whole (1, 1 + n, h)
+    # gradient lives on as the class token's (measured)
+    view = 0 if ctx.batch_one else None
+    return Footprint(out, fwd_temp=temp, grads=_grads(ins, "pass" if same else "new"), grad_view_param=view)
 
 
 @rule("add_param")
