@@ -29,14 +29,14 @@ $(TEST_VENV)/.installed: pyproject.toml
 # tests/test_render.py compiles the LaTeX report with pdflatex: a minimal TeX from Debian's
 # packages (texlive-latex-base: LaTeX, amsmath, amssymb; texlive-latex-recommended: booktabs),
 # about 25 s to install. Without root the test is skipped and says why. The suite runs on every
-# core (pytest-xdist), each test file on one worker.
+# core (pytest-xdist), each test file on one worker, and names its 25 slowest tests.
 test: $(TEST_VENV)/.installed
 	@command -v pdflatex >/dev/null || { if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing pdflatex (texlive-latex-base, texlive-latex-recommended) for the LaTeX report test"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	      --no-install-recommends texlive-latex-base texlive-latex-recommended >/dev/null; \
 	  else echo "pdflatex is missing and installing it needs root: the LaTeX report test will be skipped"; fi; }
-	$(TEST_VENV)/bin/python -m pytest -q -n auto --dist loadfile
+	$(TEST_VENV)/bin/python -m pytest -q -n auto --dist loadfile --durations=25
 
 # Run every notebook and keep its outputs (a reader on a code host sees them; make test checks
 # that they are current).
