@@ -511,6 +511,15 @@ def test_llama_ddp_rank_is_one_process_plus_its_bucket():
         assert (r.params, r.grads, r.buckets, r.bucket_sizes) == (34_496, 34_496, 34_496, (34_496,))
         assert _phases(r.step) == tuple(v + 34_496 for v in _phases(single))
         assert r.step.peak_phase == single.peak_phase
+    # symmem's data-parallel rank (symmem.passes.shard: DDP's buckets, a second copy of the
+    # gradients) from the same config.json: every phase's maximum equal to the measured rank's.
+    import symmem as sm
+    est = sm.estimate(sm.models.from_hf_config(model.config.to_dict()),
+                      sm.Policy("fp32", "adamw", "cpu", "for-loop", attention="eager", parallel="dp=2"))
+    subs = est._subs({"b": 2, "s": 8})
+    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+                 for ph in ("forward", "backward", "optimizer")}
+    assert [predicted] * 2 == [r.step.phase_peaks for r in ranks]   # 198,108 / 204,172 / 185,464
 
 
 def test_llama_fsdp2_shards_per_rank():
