@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(est)
     est.add_argument("--batch", type=positive_int, required=True, metavar="B",
                      help="micro-batch size b (sequences per step on one device)")
-    est.add_argument("--seq", type=positive_int, required=True, metavar="S",
-                     help="sequence length s (tokens per sequence)")
+    est.add_argument("--seq", type=positive_int, metavar="S",
+                     help="sequence length s (tokens per sequence); every model but the image ones needs it")
     _decoder_seq_option(est)
     est.add_argument("--format", default="table", choices=FORMATS,
                      help="table (for people), json (for scripts), latex (default: %(default)s)")
@@ -224,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "breakdown at the answer.",
         epilog=SOLVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_options(mb)
-    mb.add_argument("--seq", type=positive_int, required=True, metavar="S",
-                    help="sequence length s (tokens per sequence)")
+    mb.add_argument("--seq", type=positive_int, metavar="S",
+                    help="sequence length s (tokens per sequence); every model but the image ones needs it")
     mb.add_argument("--new-tokens", type=positive_int, metavar="N",
                     help="with --mode inference: tokens generated n_g")
     _decoder_seq_option(mb)
@@ -405,7 +405,15 @@ def _report(args, policy: Policy) -> dict:
     est = est._region({"s": args.seq})     # past a sliding window: that region (kernels, formulas)
     bindings = est.bindings
     inference = policy.mode == "inference"
-    ev = est.at(b=args.batch, s=args.seq, **_decoder(args), **({"n_g": args.new_tokens} if inference else {}))
+    seq = {} if args.seq is None else {"s": args.seq}      # image models have no s
+    try:
+        ev = est.at(b=args.batch, **seq, **_decoder(args), **({"n_g": args.new_tokens} if inference else {}))
+    except ConfigError as e:
+        if e.field != "values" or not isinstance(e.value, list):
+            raise
+        flags = [SHELL_FLAGS.get(n, f"--set {n}=VALUE") for n in e.value]
+        raise ConfigError(flags[0].split()[0], None, f"a value: the formulas of {est.graph.name} use "
+                          f"{', '.join(e.value)}", f"Pass {' and '.join(flags)}.") from None
     point = ev.peak_point
     active = canonical(point.total)
     regions = () if inference or args.format == "latex" else est.regions(**_decoder(args))  # no n_g axis
@@ -432,7 +440,7 @@ def _report(args, policy: Policy) -> dict:
     }
     if args.format == "json":       # the formulas as text: the JSON's alone, and the slowest to print
         r["json"]["peak_regions"] = [{"where": reg.point.where, "share": round(reg.share, 4), "b": list(reg.b),
-                                      "s": list(reg.s), "bs": list(reg.bs),
+                                      "s": list(reg.s) if reg.s else None, "bs": list(reg.bs),
                                       "formula": str(canonical(reg.point.total))} for reg in regions]
         r["json"]["components"] = {k: str(v) for k, v in est.components.items()}
         r["json"]["formula"] = {"peak": str(est.peak), "latex": render_latex_expr(est.peak),
@@ -491,7 +499,8 @@ def render_table(args, policy: Policy, r: dict) -> str:
     tokens += "".join(f", decoder seq s_d = {v:,}" for v in _decoder(args).values())
     out = [f"symmem {'infer' if policy.mode == 'inference' else 'estimate'}: {est.graph.name} ({source}), {j['parameters']:,} parameters",
            _policy_line(est),
-           textwrap.fill(f"inputs: batch b = {args.batch:,}, seq s = {args.seq:,}{tokens}; model {dims}", WIDTH,
+           textwrap.fill(f"inputs: batch b = {args.batch:,}"
+                         f"{'' if args.seq is None else f', seq s = {args.seq:,}'}{tokens}; model {dims}", WIDTH,
                          subsequent_indent="  "),
            ""]
     if policy.accumulate > 1:
@@ -529,7 +538,8 @@ def render_table(args, policy: Policy, r: dict) -> str:
             "with this model's numbers and the policy's bytes per element:",
             _wrap(f"{bound}"),
             f"(all {n} candidates: --format json or --format latex)", "",
-            *(["where each candidate is the peak (b up to 65,536, s up to s_max, a log grid):"] if r["regions"] else [])]
+            *([f"where each candidate is the peak (b up to 65,536{', s up to s_max' if r['regions'][0].s else ''}, "
+               "a log grid):"] if r["regions"] else [])]
     out += [_wrap(str(reg)) for reg in r["regions"]]
     return "\n".join(out)
 
@@ -541,7 +551,7 @@ def render_latex(args, policy: Policy, r: dict) -> str:
     def tex(e):
         return render_latex_expr(e)
 
-    out = [f"% symmem estimate: {est.graph.name}; b = {args.batch}, s = {args.seq}",
+    out = [f"% symmem estimate: {est.graph.name}; b = {args.batch}" + ("" if args.seq is None else f", s = {args.seq}"),
            *textwrap.wrap(f"policy: {est.describe()}", WIDTH, initial_indent="% ",
                           subsequent_indent="%   "),
            f"% bindings: {bind}",
@@ -643,7 +653,8 @@ def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
     if args.format == "json":
         print(json.dumps(_solution_json(sol, bud, est), indent=2))
         return 0
-    out = [f"symmem {args.command}: {est.graph.name}; {', '.join(f'{k} = {v:,}' for k, v in fixed.items())}",
+    out = [f"symmem {args.command}: {est.graph.name}" + "".join(f"{'; ' if i == 0 else ', '}{k} = {v:,}"
+                                                            for i, (k, v) in enumerate(fixed.items())),
            _policy_line(est),
            f"budget: {bud.label}", "",
            str(sol), "", f"breakdown at {symbol} = {sol.value:,}:", sol.at_value.table()]

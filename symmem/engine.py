@@ -207,14 +207,18 @@ class Evaluation:
 @dataclass(frozen=True)
 class Region:
     """Where one candidate of the peak binds on :meth:`Estimate.regions`' grid: its share of
-    the grid's points and the ranges of b, s and b*s over them."""
+    the grid's points and the ranges of b, s and b*s over them (``s`` None for a model whose
+    formulas have no s: an image model's grid is b alone)."""
     point: Point
     share: float
     b: tuple            # (smallest, largest) b where it binds on the grid
-    s: tuple
+    s: tuple | None
     bs: tuple           # (smallest, largest) b*s
 
     def __str__(self) -> str:
+        if self.s is None:
+            return (f"{self.point.where}: the peak at {100 * self.share:.0f}% of the grid, b from "
+                    f"{self.b[0]:,} to {self.b[1]:,}")
         return (f"{self.point.where}: the peak at {100 * self.share:.0f}% of the grid, b*s from "
                 f"{self.bs[0]:,} to {self.bs[1]:,} (b {self.b[0]:,}-{self.b[1]:,}, s {self.s[0]:,}-{self.s[1]:,})")
 
@@ -336,10 +340,13 @@ class Estimate:
         import numpy as np
         from .symbols import s_max
         top = int(self.bindings.get(s_max, b_max))
-        axis = [np.unique(np.round(np.logspace(0, np.log2(n), points, base=2)).astype(np.int64)) for n in (b_max, top)]
-        grid_b, grid_s = np.meshgrid(*axis, indexing="ij")
         at = {**self.bindings, **{symbol(k): sp.Integer(v) for k, v in fixed.items()}}
         totals = [t.xreplace(at) for t in self.totals]
+        uses_s = any(s in t.free_symbols for t in totals)
+        axis = [np.unique(np.round(np.logspace(0, np.log2(n), points, base=2)).astype(np.int64)) for n in (b_max, top)]
+        if not uses_s:        # an image model: b alone
+            axis[1] = np.array([1], dtype=np.int64)
+        grid_b, grid_s = np.meshgrid(*axis, indexing="ij")
         rest = sp.Add(*[x for x in set().union(*(t.free_symbols for t in totals)) - {b, s}])
         if rest != 0:         # inference's n_g, an encoder-decoder's s_d: a value each, by keyword
             raise _unbound(rest, "the peak's candidates beside b and s (regions(..., n_g=...))")
@@ -351,7 +358,8 @@ class Estimate:
             m = win == i
             bs = grid_b[m] * grid_s[m]
             out.append(Region(self.points[i], float(m.mean()), (int(grid_b[m].min()), int(grid_b[m].max())),
-                              (int(grid_s[m].min()), int(grid_s[m].max())), (int(bs.min()), int(bs.max()))))
+                              (int(grid_s[m].min()), int(grid_s[m].max())) if uses_s else None,
+                              (int(bs.min()), int(bs.max()))))
         return tuple(sorted(out, key=lambda r: -r.share))
 
     def formula(self, component: str = "peak") -> sp.Expr:

@@ -477,3 +477,21 @@ def test_share_qkv_and_layers(capsys):
     with pytest.raises(SystemExit):
         main(["estimate", "--model", "gpt2", "--batch", "1", "--seq", "8", "--share", "heads"])
     assert "expected qkv and/or layers, comma-separated, got 'heads'" in capsys.readouterr().err
+
+
+def test_image_models_need_no_seq(capsys):
+    """An image model's formulas have no s: estimate and max-batch run without --seq, print
+    no s, and the regions are a grid in b alone; a text model without --seq is told to pass it."""
+    code, out, err = run(capsys, "estimate", "--model", "resnet-18", "--batch", 32)
+    assert code == 0, err
+    assert "inputs: batch b = 32; model C = 3, H = 224, W = 224" in out
+    assert "seq s" not in out and "(b up to 65,536, a log grid):" in out
+    assert ", b from " in out and "b*s" not in out
+    code, out, err = run(capsys, "max-batch", "--model", "resnet-18", "--budget", "24GB")
+    assert code == 0, err
+    assert out.startswith("symmem max-batch: resnet-18\n")
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--batch", 2)
+    assert code == 1
+    assert "--seq = None is not valid: expected a value: the formulas of gpt2 use s. Pass --seq S." in err
+    code, out, err = run(capsys, "max-batch", "--model", "gpt2", "--budget", "24GB")
+    assert code == 1 and "solving for b needs s fixed. Pass --seq S." in err
