@@ -412,8 +412,10 @@ def _report(args, policy: Policy) -> dict:
         if e.field != "values" or not isinstance(e.value, list):
             raise
         flags = [SHELL_FLAGS.get(n, f"--set {n}=VALUE") for n in e.value]
+        from .symbols import TABLE
+        meanings = "; ".join(f"{n}: {TABLE[n].meaning}" for n in e.value if n in TABLE)
         raise ConfigError(flags[0].split()[0], None, f"a value: the formulas of {est.graph.name} use "
-                          f"{', '.join(e.value)}", f"Pass {' and '.join(flags)}.") from None
+                          f"{', '.join(e.value)} ({meanings})", f"Pass {' and '.join(flags)}.") from None
     point = ev.peak_point
     active = canonical(point.total)
     regions = () if inference or args.format == "latex" else est.regions(**_decoder(args))  # no n_g axis

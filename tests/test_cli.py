@@ -492,6 +492,7 @@ def test_image_models_need_no_seq(capsys):
     assert out.startswith("symmem max-batch: resnet-18\n")
     code, out, err = run(capsys, "estimate", "--model", "gpt2", "--batch", 2)
     assert code == 1
-    assert "--seq = None is not valid: expected a value: the formulas of gpt2 use s. Pass --seq S." in err
+    assert ("--seq = None is not valid: expected a value: the formulas of gpt2 use s (s: sequence length "
+            "(tokens per sequence)). Pass --seq S.") in err
     code, out, err = run(capsys, "max-batch", "--model", "gpt2", "--budget", "24GB")
     assert code == 1 and "solving for b needs s fixed. Pass --seq S." in err
