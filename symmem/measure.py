@@ -519,9 +519,9 @@ def plain_step(
     ``at_start`` and the samples are offset by the bytes of the storages that exist when the
     step starts (parameters, buffers, gradients, optimizer states, ``extra``), as the tracker
     registers them. A sample is taken at each phase's start and end and after every allocation
-    and free (``op`` is the
-    operator that made it), so ``peak`` may fall inside an operator, between its output's
-    allocation and the free of a temporary input, where the tracker samples only after it.
+    and free (``op`` is the operator that made it), so ``peak`` may fall inside an operator,
+    between its output's allocation and the free of a temporary input, where the tracker
+    samples only after it.
     """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
