@@ -411,11 +411,9 @@ def _report(args, policy: Policy) -> dict:
     except ConfigError as e:
         if e.field != "values" or not isinstance(e.value, list):
             raise
-        flags = [SHELL_FLAGS.get(n, f"--set {n}=VALUE") for n in e.value]
         from .symbols import TABLE
         meanings = "; ".join(f"{n}: {TABLE[n].meaning}" for n in e.value if n in TABLE)
-        raise ConfigError(flags[0].split()[0], None, f"a value: the formulas of {est.graph.name} use "
-                          f"{', '.join(e.value)} ({meanings})", f"Pass {' and '.join(flags)}.") from None
+        raise _missing(e.value, f"the formulas of {est.graph.name} use {', '.join(e.value)} ({meanings})") from None
     point = ev.peak_point
     active = canonical(point.total)
     regions = () if inference or args.format == "latex" else est.regions(**_decoder(args))  # no n_g axis
@@ -629,6 +627,12 @@ def _solution_json(sol, bud, est) -> dict:
 SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D"}
 
 
+def _missing(names: list, why: str) -> ConfigError:
+    """The library names missing keyword arguments (s=...): say it with the shell's flags."""
+    flags = [SHELL_FLAGS.get(n, f"--set {n}=VALUE") for n in names]
+    return ConfigError(flags[0].split()[0], None, f"a value: {why}", f"Pass {' and '.join(flags)}.")
+
+
 def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
     from .errors import Infeasible
     from .solve import solve
@@ -640,10 +644,7 @@ def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
     except ConfigError as e:
         if e.field != "values" or not isinstance(e.value, list):
             raise
-        # the library's message names keyword arguments (s=...): say it with the shell's flags
-        flags = [SHELL_FLAGS.get(n, f"--set {n}=VALUE") for n in e.value]
-        raise ConfigError(flags[0].split()[0], None, f"a value: solving for {symbol} needs "
-                          f"{', '.join(e.value)} fixed", f"Pass {' and '.join(flags)}.") from None
+        raise _missing(e.value, f"solving for {symbol} needs {', '.join(e.value)} fixed") from None
     except Infeasible as e:
         if args.format == "json":
             print(json.dumps({"symbol": symbol, "direction": direction, "fixed": fixed,

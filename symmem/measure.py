@@ -392,6 +392,13 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _existing(module: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any) -> list[torch.Tensor]:
+    """The tensors that exist when a tracked step starts: the module's parameters and buffers,
+    their gradients, the optimizer's state and ``extra``."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return _tensors([module, grads, list(optimizer.state.values()), extra])
+
+
 def training_step(
     module: torch.nn.Module,
     loss_fn: Callable[[torch.nn.Module], torch.Tensor],
@@ -453,12 +460,10 @@ def training_step(
     device = _module_device(module)
     tracker = _LiveTracker(device)
     optimizer.zero_grad(set_to_none=True)
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    state = list(optimizer.state.values())
     scaler_state = [] if scaler is None else [scaler._scale, scaler._growth_tracker]
-    for t in _tensors([module, grads, state, extra, scaler_state]):
+    for t in _existing(module, optimizer, [extra, scaler_state]):
         tracker.register(t)
-    del grads, state, scaler_state
+    del scaler_state
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -537,8 +542,7 @@ def plain_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     seen: dict[tuple[int, int], int] = {}
-    for t in _tensors([module, [p.grad for p in module.parameters() if p.grad is not None],
-                       list(optimizer.state.values()), extra]):
+    for t in _existing(module, optimizer, extra):
         st = _storage(t)
         if st is not None and st.device == device:
             seen[_key(st)] = st.nbytes()
