@@ -28,6 +28,7 @@ from .errors import ConfigError, SymmemError
 from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
 from .printing import latex as render_latex_expr
 from .policy import PARTS, Parallel, Policy
+from .policy.parallel import DEGREES
 from .plan import ROLES
 
 __all__ = ["main", "build_parser"]
@@ -493,8 +494,9 @@ def render_table(args, policy: Policy, r: dict) -> str:
         source += "; tied output layer" if j["inputs"]["tie"] else "; own output layer"
     if j["inputs"].get("share"):
         source += f"; shared: {', '.join(j['inputs']['share'])}"
+    degrees = {sym.name for sym in DEGREES.values() if sym is not None}   # the policy line names the layout
     dims = ", ".join(f"{k} = {v:,}" if isinstance(v, int) else f"{k} = {v}"
-                     for k, v in j["bindings"].items() if not k.startswith("B_"))
+                     for k, v in j["bindings"].items() if not k.startswith("B_") and k not in degrees)
     tokens = f", new tokens n_g = {args.new_tokens:,}" if policy.mode == "inference" else ""
     tokens += "".join(f", decoder seq s_d = {v:,}" for v in _decoder(args).values())
     out = [f"symmem {'infer' if policy.mode == 'inference' else 'estimate'}: {est.graph.name} ({source}), {j['parameters']:,} parameters",

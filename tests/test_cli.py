@@ -484,7 +484,8 @@ def test_image_models_need_no_seq(capsys):
     no s, and the regions are a grid in b alone; a text model without --seq is told to pass it."""
     code, out, err = run(capsys, "estimate", "--model", "resnet-18", "--batch", 32)
     assert code == 0, err
-    assert "inputs: batch b = 32; model C = 3, H = 224, W = 224" in out
+    # the model's dimensions only: the data-parallel degree d = 1 is the layout, not the model
+    assert "inputs: batch b = 32; model C = 3, H = 224, W = 224, n_c = 1,000\n" in out
     assert "seq s" not in out and "(b up to 65,536, a log grid):" in out
     assert ", b from " in out and "b*s" not in out
     code, out, err = run(capsys, "max-batch", "--model", "resnet-18", "--budget", "24GB")
