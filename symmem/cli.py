@@ -978,7 +978,7 @@ def _report_answer(est, args, seq):
         return None, None
     bud = make_budget(gpu=args.gpu, bytes=args.budget, reserve=args.reserve)
     try:
-        return bud, max_batch(est, bud, s=seq)
+        return bud, max_batch(est, bud, **({} if seq is None else {"s": seq}))
     except Infeasible as e:
         return bud, e
 
@@ -989,7 +989,7 @@ def cmd_report(args) -> int:
     policy = _policy(args)
     est = _load(args, policy)
     seq = args.seq
-    if seq is None:
+    if seq is None and est.regions()[0].s is not None:     # an image model's formulas have no s
         from .symbols import s_max
         seq = est.bindings.get(s_max)
         if seq is None:
@@ -1031,7 +1031,7 @@ def cmd_formula(args) -> int:
         expr = sp.Max(*(canonical(r.point.total) for r in regions), evaluate=False) if len(regions) > 1 \
             else canonical(regions[0].point.total)
         print(f"symmem: the {len(regions)} of {len(est.points)} candidates of the peak that bind somewhere "
-              f"on b <= 65,536, s <= s_max (--all: every one):", file=sys.stderr)
+              f"on b <= 65,536{'' if regions[0].s is None else ', s <= s_max'} (--all: every one):", file=sys.stderr)
         for r in regions:
             print(f"  {r}", file=sys.stderr)
     print(latex(expr) if args.format == "latex" else str(expr))

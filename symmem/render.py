@@ -123,7 +123,9 @@ SOURCES = (
      "what": "Activations per layer",
      "formula": s * b * TABLE["h"].symbol * (34 + 5 * TABLE["a"].symbol * s / TABLE["h"].symbol),
      "note": "bytes, with 2-byte activations and 1-byte dropout masks; symmem's per-layer "
-             "activations equal it plus the layer-norm statistics the paper leaves out."},
+             "activations of GPT-2 with GELU equal it plus the layer-norm statistics the paper "
+             "leaves out.",
+     "sequence": True},       # a transformer layer's: not shown for a model without s
     {"authors": "S. Rajbhandari, J. Rasley, O. Ruwase, Y. He", "year": 2020,
      "title": "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
      "where": "SC20; arXiv:1910.02054",
@@ -186,7 +188,7 @@ def _boundary(sol, est, s_value):
     terms = sol.linear_terms() if sol.direction == "max" else None
     if terms is not None:
         c0, c1 = terms
-        subs = {**est.bindings, s: s_value}
+        subs = {**est.bindings, **({} if s_value is None else {s: s_value})}
         n0, n1 = int(c0.xreplace(subs)), int(c1.xreplace(subs))
         out.update(c0=c0, c1=c1, c0_bytes=n0, c1_bytes=n1, check=(sol.usable - n0) // n1)
     return out
@@ -226,7 +228,7 @@ def _answer(solution, budget, s_value):
     return budget, solution, None
 
 
-def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budget | None = None,
+def report_context(est: Estimate, *, b: int, s: int | None, solution=None, budget: Budget | None = None,
                    title: str | None = None) -> dict:
     """Everything a report shows, as data (sympy expressions, integers, plain text): the
     templates format it. Nothing is solved here.
@@ -241,7 +243,7 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
     bud, sol, infeasible = _answer(solution, budget, s)
     regions = est.regions()
     b_sym, s_sym = TABLE["b"].symbol, TABLE["s"].symbol
-    ev = est.at(b=b, s=s)
+    ev = est.at(b=b, **({} if s is None else {"s": s}))     # s None: an image model's formulas have none
     peak = ev.peak
     bindings = est.bindings
     comps = [{"name": k, "expr": v, "bytes": ev.bytes[k], "pct": 100 * ev.bytes[k] / peak}
@@ -254,10 +256,10 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
     boundary = _boundary(sol, est, s) if sol is not None else None
     if boundary is not None:
         shown.append(boundary["formula"])
-    used = set().union(*(sp.sympify(e).free_symbols for e in shown)) | {b_sym, s_sym}
+    used = set().union(*(sp.sympify(e).free_symbols for e in shown)) | {b_sym} | ({s_sym} if s is not None else set())
     if bud is not None:
         used |= {M, R}
-    values = {**bindings, b_sym: b, s_sym: s}
+    values = {**bindings, b_sym: b, **({} if s is None else {s_sym: s})}
     if bud is not None:
         values.update({M: bud.total, R: bud.reserve})
     glossary = []
@@ -289,7 +291,9 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
                  "node": point.node, "active": canonical(point.total), "parts": parts,
                  "breakdown": peak_parts,
                  "regions": [{"where": r.point.where, "share": f"{100 * r.share:.0f}",
-                              "bs": f"{r.bs[0]:,} to {r.bs[1]:,}"} for r in regions],
+                              "over": "b" if r.s is None else "b*s",      # an image model's grid is b alone
+                              "bs": f"{r.b[0]:,} to {r.b[1]:,}" if r.s is None else f"{r.bs[0]:,} to {r.bs[1]:,}"}
+                             for r in regions],
                  "binding": [(r.point.where, canonical(r.point.total)) for r in regions]},
         "budget": None if bud is None else {
             "label": bud.label, "total": bud.total, "reserve": bud.reserve, "usable": bud.usable,
@@ -299,13 +303,14 @@ def report_context(est: Estimate, *, b: int, s: int, solution=None, budget: Budg
                 "past": None if sol.past_value is None else sol.past_value.peak,
                 "binding": sol.binding.where, "limit": sol.limit, "boundary": boundary}},
         "rules": _rules(est.prepared),      # the operators counted: the kernels' own
-        "sources": SOURCES,
+        "sources": [p for p in SOURCES if s is not None or not p.get("sequence")],
     }
 
 
-def render(est: Estimate, fmt: str, *, b: int, s: int, solution=None,
+def render(est: Estimate, fmt: str, *, b: int, s: int | None, solution=None,
            budget: Budget | None = None, title: str | None = None) -> str:
-    """A report of ``est`` at ``b`` and ``s`` as ``fmt``: ``"latex"`` (a standalone
+    """A report of ``est`` at ``b`` and ``s`` (None for a model whose formulas have no s: an
+    image model) as ``fmt``: ``"latex"`` (a standalone
     document for pdflatex), ``"markdown"`` (``$$`` math blocks) or ``"html"`` (one
     self-contained page, math in MathML). With ``solution`` (and ``budget``), as
     :func:`report_context` takes them, the report adds the largest micro-batch that fits

@@ -499,3 +499,18 @@ def test_cli_help_has_examples(capsys):
             main([cmd, "--help"])
         out = capsys.readouterr().out
         assert mine in out and other not in out
+
+
+def test_image_model_report_has_no_sequence(capsys, tmp_path):
+    """An image model's formulas have no s: the report needs no --seq, names no s, its regions
+    are ranges of b, the transformer-layer source is left out, and the LaTeX compiles."""
+    code, md, err = run(capsys, "report", "--model", "resnet-18", "--batch", 8, "--gpu", "A100-40GB",
+                        "--format", "markdown")
+    assert code == 0, err
+    assert "| Values | $b = 8$ |" in md and "## Bytes at b = 8\n" in md and "At $b = 8$ the peak" in md
+    assert re.search(r"at \d+% of the grid, \$b\$ from [\d,]+ to [\d,]+", md)
+    assert "$s" not in md and "b \\cdot s" not in md and "Korthikanti" not in md
+    assert re.search(r"\$b_\{\\max\} = [\d{},]+\$: the peak", md)
+    code, tex, err = run(capsys, "report", "--model", "resnet-18", "--batch", 8, "--format", "latex")
+    assert code == 0, err
+    _pdflatex(tex, tmp_path)
