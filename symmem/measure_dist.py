@@ -194,16 +194,23 @@ def storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-def _released(tensors: list[torch.Tensor], call: Callable[[], Any], timeout: float = 10.0) -> None:
-    """Run the collective ``call()`` and wait until gloo's worker thread has dropped its
-    references to ``tensors`` (their storages' use counts back to what they were before).
-    The caller resumes as soon as the work is marked complete; the worker releases the work,
-    and with it the tensors, a moment later -- under CPU contention, several operators later,
-    which would make a buffer outlive FSDP's last reference by a timing-dependent amount."""
+def _released(tensors: list[torch.Tensor], call: Callable[..., Any], timeout: float = 10.0) -> None:
+    """Run the collective ``call(*aliases)`` on aliases of ``tensors`` and wait until gloo's
+    worker thread has dropped them. The caller resumes as soon as the work is marked complete;
+    the worker releases the work, and with it the tensors, a moment later -- under CPU
+    contention, several operators later, which would make a buffer outlive FSDP's last
+    reference by a timing-dependent amount.
+
+    A storage's use count counts the tensors (``TensorImpl``) on it, not the references to one
+    tensor: gloo's ``Work`` holding FSDP's own tensor adds nothing to it. So the collective is
+    given fresh aliases (``view_as``, one ``TensorImpl`` each, the same storage) and the wait
+    lasts until the storages' use counts are back to what they were before the aliases."""
     import time
     storages = [t.untyped_storage() for t in tensors]
     before = [torch._C._storage_Use_Count(st._cdata) for st in storages]
-    call()
+    aliases = [t.view_as(t) for t in tensors]
+    call(*aliases)
+    del aliases
     deadline = time.monotonic() + timeout
     while any(torch._C._storage_Use_Count(st._cdata) > n for st, n in zip(storages, before)):
         if time.monotonic() > deadline:
@@ -226,7 +233,7 @@ def in_place_reduce_scatter():
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            _released([input_tensor], lambda: dist.all_reduce(input_tensor, op=op, group=group))
+            _released([input_tensor], lambda t: dist.all_reduce(t, op=op, group=group))
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             output_tensor.copy_(input_tensor.view(world, -1)[rank].view_as(output_tensor))
             return None
@@ -256,7 +263,7 @@ def released_all_gather():
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             _released([output_tensor, input_tensor],
-                      lambda: dist.all_gather_single(output_tensor, input_tensor, group=group))
+                      lambda out, inp: dist.all_gather_single(out, inp, group=group))
             return _Completed() if async_op else None
 
     return ReleasedAllGather()
