@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import textwrap
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from fractions import Fraction
+from math import gcd
 
 import sympy as sp
 
 from .engine import Estimate, Evaluation, canonical
+from .exact import number
 from .errors import ConfigError, Infeasible, SearchLimit
 from .gpus import as_budget
 from .printing import format_bytes, html_escape, html_table, latex, mathml, values_text
@@ -45,12 +48,33 @@ class Solution:
     at_value: Evaluation        # exact bytes at the answer: peak <= total - reserve
     past_value: Evaluation | None   # one step past it (value + 1, or value - 1): peak > usable
     binding: Point              # the candidate of the peak that crosses the budget
-    boundary: sp.Expr | None    # the answer as a formula in M, R and the other symbols
-    boundary_numeric: sp.Expr | None  # the same with the model's and fixed numbers, in M and R
     fixed: dict
     limit: str | None = None    # set when the model's own limit, not memory, stops the search
     step: int | None = None     # the value one step past the answer (value +- 1, or the next
                                 # multiple or divisor the model allows); None: past_value's
+    closed: tuple | None = field(default=None, repr=False, compare=False)
+    # what _boundary needs, (x, subs); None where there is no closed form (multiples, divisors,
+    # the model's limit). The boundary is derived when first read: a solve that is not shown
+    # does not pay sympy's time for it.
+
+    @cached_property
+    def _forms(self) -> tuple:
+        if self.closed is None:
+            return None, None
+        x, subs = self.closed
+        return _boundary(self.binding, x, self.direction, self.value, subs, self.total, self.reserve)
+
+    @property
+    def boundary(self) -> sp.Expr | None:
+        """The answer as a formula in M, R and the other symbols (a floor, or a ceiling for
+        "min"); None where it is not linear or quadratic in the symbol, or no closed form
+        applies (multiples, divisors, the model's limit)."""
+        return self._forms[0]
+
+    @property
+    def boundary_numeric(self) -> sp.Expr | None:
+        """:attr:`boundary` with the model's and the fixed numbers, in M and R."""
+        return self._forms[1]
 
     @property
     def usable(self) -> int:
@@ -121,42 +145,54 @@ class Solution:
         p.text(f"Solution({self.symbol} = {self.value})" if cycle else str(self))
 
 
-def _poly_eval(coeffs: list[Fraction], x: int) -> Fraction:
-    acc = Fraction(0)
-    for c in coeffs:
-        acc = acc * x + c
-    return acc
-
-
 class _Peak:
-    """The peak as a function of one symbol, every other symbol bound: exact and fast."""
+    """The peak as a function of one symbol, every other symbol bound: exact and fast. Each
+    candidate is a polynomial in ``x`` with integer coefficients over one denominator
+    (:meth:`symmem.engine.Estimate.compiled`), evaluated by Horner's rule with Python
+    integers; a candidate that is not one (a ceiling) is evaluated by sympy."""
 
     def __init__(self, est: Estimate, x: sp.Symbol, subs: dict):
-        self.x, self.fns, self.one = x, [], None
+        self.x, self.polys, self.one = x, [], None
         if subs.get(b) == 1:            # b fixed at 1: the step derived for it
             est = est.at_one
-        for t in est.totals:
-            e = sp.expand(t.xreplace(subs))
-            extra = e.free_symbols - {x}
+        free = {x} | {k for k, v in subs.items() if est.bindings.get(k) != v}
+        known = {k: number(v) for k, v in subs.items()}
+        for f in est.compiled(free).totals:
+            extra = set(f.gens) - set(known) - {x}
             if extra:
                 names = sorted(str(v) for v in extra)
                 raise ConfigError("values", names, f"a value for every symbol but {x}",
                                   f"Pass them, e.g. {names[0]}=....")
-            try:
-                coeffs = [Fraction(int(c.p), int(c.q)) for c in sp.Poly(e, x).all_coeffs()]
-                self.fns.append(lambda v, c=coeffs: _poly_eval(c, v))
-            except (sp.PolynomialError, AttributeError):
-                self.fns.append(lambda v, e=e: Fraction(str(e.xreplace({x: v}))))
+            coeffs = f.polynomial(x, known)
+            if coeffs is None:
+                e = f.expr.xreplace({k: sp.sympify(v) for k, v in known.items()})
+                self.polys.append((None, e))
+                continue
+            den = 1
+            for c in coeffs:
+                if isinstance(c, Fraction):
+                    den = den * c.denominator // gcd(den, c.denominator)
+            self.polys.append(([int(c * den) for c in reversed(coeffs)], den))
         if x == b and est.at_one is not est:      # b = 1: the step derived for it
-            self.one = max(Fraction(str(sp.expand(t.xreplace({**subs, b: 1})))) for t in est.at_one.totals)
+            one = est.at_one.compiled(free).totals
+            self.one = max(number(f({**known, b: 1})) for f in one)
 
-    def __call__(self, v: int) -> Fraction:
+    def _value(self, i: int, v: int):
+        coeffs, den = self.polys[i]
+        if coeffs is None:
+            return number(den.xreplace({self.x: v}))
+        acc = 0
+        for c in coeffs:
+            acc = acc * v + c
+        return acc if den == 1 else Fraction(acc, den)
+
+    def __call__(self, v: int):
         if v == 1 and self.one is not None:
             return self.one
-        return max(fn(v) for fn in self.fns)
+        return max(self._value(i, v) for i in range(len(self.polys)))
 
     def binding(self, v: int) -> int:
-        return max(range(len(self.fns)), key=lambda i: self.fns[i](v))
+        return max(range(len(self.polys)), key=lambda i: self._value(i, v))
 
 
 def solve(est: Estimate, symbol: str, budget, *, reserve=None, direction: str = "max",
@@ -196,7 +232,7 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=None, direction: str = 
         if k == dom.last:               # the model's own limit, not memory, ends the search
             at_value = est.at(**fixed, **{symbol: value})
             bind = est.points[peak.binding(value)]
-            return Solution(symbol, direction, value, total, res, at_value, None, bind, None, None,
+            return Solution(symbol, direction, value, total, res, at_value, None, bind,
                             dict(fixed), limit=dom.why)
         step = dom.value(k + 1) if dom.last is None or k < dom.last else None
     else:
@@ -207,10 +243,9 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=None, direction: str = 
     past = est.at(**fixed, **{symbol: step}) if step is not None and not _beyond(est, fixed, symbol, step) else None
     bind = est.points[peak.binding(step if past is not None else value)]
     # a closed form of the boundary where every integer is allowed (not multiples or divisors)
-    boundary, numeric = (_boundary(bind, x, direction, value, subs, total, res)
-                         if dom.step == 1 and dom.divisors is None else (None, None))
-    return Solution(symbol, direction, value, total, res, at_value, past, bind, boundary, numeric,
-                    dict(fixed), step=step)
+    closed = (x, subs) if dom.step == 1 and dom.divisors is None else None
+    return Solution(symbol, direction, value, total, res, at_value, past, bind, dict(fixed),
+                    step=step, closed=closed)
 
 
 def _askable(est: Estimate, x) -> None:

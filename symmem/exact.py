@@ -1,0 +1,103 @@
+"""Exact bytes with Python integers: a formula read into its terms once, then evaluated
+without sympy.
+
+With the model's and the policy's numbers bound, a byte formula is a sum of terms
+``c * x1**e1 * x2**e2 ...`` over the symbols left free (``b``, ``s``, a degree ``d``), each
+``c`` a rational and each exponent an integer (negative where a count is divided: ``h/a``).
+:func:`compile` reads the terms once (:func:`symmem.bounds.terms`); a call multiplies
+integers and fractions: exact, and hundreds of times faster than ``xreplace`` on the
+expression. :meth:`symmem.engine.Estimate.at` and the solver (:mod:`symmem.solve`) evaluate
+through it. A formula with another kind of factor (a ceiling: int4 packs two elements a
+byte) keeps sympy's path, exact too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import sympy as sp
+
+from .bounds import terms as _read_terms
+
+__all__ = ["Compiled", "compile", "number"]
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One formula with its numbers bound: ``expr`` (sympy, for messages and the fallback)
+    and, when it is a sum of monomials in symbols, ``terms``: ``((exponents, coefficient),
+    ...)`` over ``gens``, exponents in the order of ``gens``."""
+    expr: sp.Expr
+    gens: tuple
+    terms: tuple | None
+
+    def __call__(self, values: dict):
+        """The exact value (an int, or a Fraction where it is not whole) at ``values``
+        ({symbol: int}, every symbol of :attr:`gens` given; others are ignored)."""
+        if self.terms is None:
+            v = self.expr.xreplace({k: sp.Integer(x) for k, x in values.items()})
+            return int(v) if v.is_Integer else Fraction(int(v.p), int(v.q)) if v.is_Rational else v
+        xs = [values[g] for g in self.gens]
+        acc = 0
+        for exps, c in self.terms:
+            num, den = c, 1
+            for x, e in zip(xs, exps):
+                if e > 0:
+                    num = num * x ** e
+                elif e < 0:
+                    den *= x ** -e
+            acc += num if den == 1 else Fraction(num, den)
+        return acc
+
+    def polynomial(self, x, values: dict) -> list | None:
+        """The formula as a polynomial in ``x`` with every other symbol of :attr:`gens` at
+        its value: its coefficients, lowest degree first, each an int or Fraction; None when
+        it is not one (a negative power of ``x``, or a factor that is not a monomial)."""
+        if self.terms is None:
+            return None
+        i = self.gens.index(x) if x in self.gens else None
+        coeffs: dict = {}
+        for exps, c in self.terms:
+            num, den = c, 1
+            for j, (g, e) in enumerate(zip(self.gens, exps)):
+                if j == i or e == 0:
+                    continue
+                v = values[g]
+                if e > 0:
+                    num = num * v ** e
+                else:
+                    den *= v ** -e
+            deg = 0 if i is None else exps[i]
+            if deg < 0:
+                return None
+            coeffs[deg] = coeffs.get(deg, 0) + (num if den == 1 else Fraction(num, den))
+        top = max(coeffs, default=0)
+        return [coeffs.get(k, 0) for k in range(top + 1)]
+
+
+def compile(expr, bindings: dict) -> Compiled:
+    """``expr`` with ``bindings`` ({symbol: number}) substituted, read into its terms."""
+    e = sp.expand(sp.sympify(expr).xreplace(bindings))
+    gens = tuple(sorted(e.free_symbols, key=str))
+    d = _read_terms(e)
+    if d is None or any(not base.is_Symbol for key in d for base, _ in key):
+        return Compiled(e, gens, None)
+    index = {g: i for i, g in enumerate(gens)}
+    out = []
+    for key, c in d.items():
+        exps = [0] * len(gens)
+        for base, ex in key:
+            exps[index[base]] += int(ex)
+        out.append((tuple(exps), c))
+    return Compiled(e, gens, tuple(out))
+
+
+def number(v):
+    """A sympy (or Python) number as a Python int or Fraction, what :class:`Compiled`
+    computes with; anything else (a float, an irrational) is returned as it is."""
+    if isinstance(v, (int, Fraction)):
+        return v
+    v = sp.sympify(v)
+    if v.is_Integer:
+        return int(v)
+    return Fraction(int(v.p), int(v.q)) if v.is_Rational else v
