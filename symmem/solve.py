@@ -274,10 +274,10 @@ class _Domain:
             lv, rv = sp.sympify(lhs).xreplace(subs), sp.sympify(rhs).xreplace(subs)
             if kind == "divides" and rv == x and lv.is_Integer:
                 self.step = int(lv)
-            elif kind == "divides" and lv == x and rv.is_Integer:
+            elif kind == "divides" and lv == x and rv.is_Integer:     # each such n: divisors of all
                 n = int(rv)
-                self.divisors = [d for d in range(1, n + 1) if n % d == 0]
-                self.why = f"{x} divides {rhs} = {n}: {reason}"
+                self.divisors = [d for d in (self.divisors or range(1, n + 1)) if n % d == 0]
+                self.why = (self.why + "; " if self.why else "") + f"{x} divides {rhs} = {n}: {reason}"
             elif kind == "at most" and lv == x and rv.is_Integer:
                 cap = int(rv)
                 self.why = f"{x} <= {rhs} = {cap}: {reason}"

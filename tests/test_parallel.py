@@ -69,11 +69,12 @@ def test_parallel_defaults_and_specs():
     ({"zero": 1, "offload": "disk"}, "offload = 'disk' is not valid: expected one of none, optimizer, params, both."),
     ({"dp": 12, "fsdp": "hybrid"}, "dp with fsdp hybrid = 12 is not valid: expected a multiple of the shard "
                                    "group's 8 ranks."),
-    ({"tp": 2}, "tp = '2' is not valid: expected 1 (tensor parallelism is not modelled yet)."),
+    ({"tp": 0}, "tp = 0 is not valid: expected a whole number >= 1 or the symbol t."),
     ({"pp": 4}, "pp = '4' is not valid: expected 1 (pipeline parallelism is not modelled yet)."),
     ({"cp": 2}, "cp = '2' is not valid: expected 1 (context parallelism is not modelled yet)."),
     ({"ep": 2}, "ep = '2' is not valid: expected 1 (expert parallelism is not modelled yet)."),
-    ({"sp": True}, "sp = True is not valid: expected False (sequence parallelism is not modelled yet)."),
+    ({"sp": True}, "sp = True is not valid: expected tensor parallelism beside it (tp > 1): sequence "
+                   "parallelism splits the layers' norms and dropouts over the tensor-parallel ranks."),
     ({"schedule": "gpipe"}, "schedule = 'gpipe' is not valid: expected 1f1b (pipeline schedules are not "
                             "modelled yet)."),
 ])

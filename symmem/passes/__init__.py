@@ -12,18 +12,19 @@ schedules, inference) are further modules here.
 """
 from __future__ import annotations
 
-from . import accumulate, attention, fp8, inference, keep_fp32, lora, quantize, recompute, regions, shard
+from . import accumulate, attention, fp8, inference, keep_fp32, lora, quantize, recompute, regions, shard, tensor
 
 __all__ = ["PASSES", "prepare", "run", "inference", "regions", "keep_fp32", "attention", "fp8", "quantize", "lora", "recompute", "accumulate",
-           "shard"]
+           "tensor", "shard"]
 
 #: The passes, in the order they rewrite a graph and a plan: inference's step graph first (its
 #: cache nodes and shapes are what the attention kernel then sees), the layer ranges (the
 #: repeated block split once where any of them begins or ends), then the modules kept in
 #: float32, the attention kernel (chosen in each node's dtype; recomputation sees the
-#: kernel's operators), FP8 and quantized layers before the adapters that wrap them; sharding
-#: (data parallelism, ZeRO, FSDP, offload) last, over the whole step of one rank.
-PASSES = (inference, regions, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate, shard)
+#: kernel's operators), FP8 and quantized layers before the adapters that wrap them; tensor
+#: parallelism (the layers split over t ranks, their parameters first) before sharding (data
+#: parallelism, ZeRO, FSDP, offload), last, over the whole step of one rank.
+PASSES = (inference, regions, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate, tensor, shard)
 
 
 def prepare(graph, policy):

@@ -95,7 +95,7 @@ def unit_bytes(graph) -> tuple[dict, sp.Expr, dict, sp.Expr]:
 
 def apply(plan: Plan, graph, policy) -> Plan:
     par = policy.parallel
-    if par.is_single or policy.mode == "inference":
+    if par.data_single or policy.mode == "inference":
         return plan
     if par.ddp:
         return _ddp(plan, par)

@@ -6,11 +6,11 @@ data-parallel ranks shard the model states (ZeRO stage, or FSDP's strategy) and 
 offload to the host. A degree is an integer or the symbol of :mod:`symmem.symbols` (``"d"``
 for data parallelism): the formulas stay in ``d`` and a number is bound like a config value.
 
-What is modelled today (:mod:`symmem.passes.shard`): data parallelism (PyTorch DDP's
-gradient buckets), ZeRO stages 1-3 (DeepSpeed), FSDP's full, grad-op and hybrid sharding, and
-offload of the optimizer states and of the parameters. Tensor, sequence, pipeline, context and
-expert parallelism are part of the layout but refused ("not modelled yet") until their passes
-exist.
+What is modelled today: data parallelism (PyTorch DDP's gradient buckets), ZeRO stages 1-3
+(DeepSpeed), FSDP's full, grad-op and hybrid sharding, and offload of the optimizer states and
+of the parameters (:mod:`symmem.passes.shard`); Megatron's tensor and sequence parallelism
+(:mod:`symmem.passes.tensor`). Pipeline, context and expert parallelism are part of the layout
+but refused ("not modelled yet") until their passes exist.
 
 A spec string names the same thing on a command line: ``"dp=8,zero=3,offload=optimizer"``
 (``"none"``: one device).
@@ -78,8 +78,9 @@ class Parallel:
     stage 0-3; ``fsdp``: None, ``"full"``, ``"grad-op"`` or ``"hybrid"`` (not with ``zero``);
     ``shard_size``: the ranks a hybrid shard spans (8: one node of eight GPUs, an assumption
     to state); ``offload``: ``"none"``, ``"optimizer"``, ``"params"`` or ``"both"``. ``tp``,
-    ``sp``, ``pp``, ``schedule``, ``virtual_stages``, ``microbatches``, ``cp``, ``ep``: the
-    layout's other degrees, refused above 1 until they are modelled. ``reduce_bucket``:
+    ``sp``: Megatron's tensor-parallel degree (an integer or the symbol ``t``) and sequence
+    parallelism beside it. ``pp``, ``schedule``, ``virtual_stages``, ``microbatches``, ``cp``,
+    ``ep``: the layout's other degrees, refused above 1 until they are modelled. ``reduce_bucket``:
     DeepSpeed's ``reduce_bucket_size`` (elements of its gradient bucket, 5e8 by default; FSDP
     has none); ``prefetch``: units gathered ahead of the one computed (ZeRO-3, FSDP; 1)."""
     dp: object = 1
@@ -147,14 +148,14 @@ class Parallel:
     def _refuse_unmodelled(self):
         """Tensor, sequence, pipeline, context and expert parallelism: part of the layout,
         refused until their passes exist."""
-        what = {"tp": "tensor parallelism", "pp": "pipeline parallelism", "cp": "context parallelism",
-                "ep": "expert parallelism"}
+        what = {"pp": "pipeline parallelism", "cp": "context parallelism", "ep": "expert parallelism"}
         for name, words in what.items():
             if not _is_one(getattr(self, name)):
                 raise ConfigError(name, str(getattr(self, name)), "1 (" + words + " is not modelled yet)",
-                                  "Data parallelism, ZeRO, FSDP and offload are; leave --" + name + " out.")
-        if self.sp:
-            raise ConfigError("sp", True, "False (sequence parallelism is not modelled yet)", "Leave --sp out.")
+                                  "Data and tensor parallelism, ZeRO, FSDP and offload are; leave --" + name + " out.")
+        if self.sp and _is_one(self.tp):
+            raise ConfigError("sp", True, "tensor parallelism beside it (tp > 1): sequence parallelism splits "
+                              "the layers' norms and dropouts over the tensor-parallel ranks", "Add --tp 2 (or more).")
         for name, default in (("schedule", "1f1b"), ("virtual_stages", 1), ("microbatches", 1)):
             if getattr(self, name) != default:
                 raise ConfigError(name, getattr(self, name), f"{default} (pipeline schedules are not modelled yet)",
@@ -190,10 +191,15 @@ class Parallel:
         return self.offload in ("params", "both")
 
     @property
-    def is_single(self) -> bool:
-        """One device: one data-parallel rank, nothing sharded or offloaded (the buckets' and
-        prefetch's sizes then change nothing)."""
+    def data_single(self) -> bool:
+        """One data-parallel rank, nothing sharded or offloaded (the buckets' and prefetch's
+        sizes then change nothing)."""
         return _is_one(self.dp) and not self.zero and self.fsdp is None and self.offload == "none"
+
+    @property
+    def is_single(self) -> bool:
+        """One device: one data-parallel rank (:attr:`data_single`) and no tensor parallelism."""
+        return self.data_single and _is_one(self.tp)
 
     def micro_batch(self, global_batch: int, accumulate: int = 1):
         """The micro-batch ``b`` of each rank for a global batch: ``global_batch / (dp *
@@ -209,8 +215,8 @@ class Parallel:
         return sympy.Integer(global_batch) / ranks
 
     def bindings(self) -> dict:
-        """``{d: dp}`` where dp is a number (the formulas stay in d)."""
-        return {_d: sympy.Integer(self.dp)} if isinstance(self.dp, int) else {}
+        """``{d: dp, t: tp}`` where they are numbers (the formulas stay in d and t)."""
+        return {sym: sympy.Integer(v) for sym, v in ((_d, self.dp), (_t, self.tp)) if isinstance(v, int)}
 
     # ----- names ----------------------------------------------------------------------------
     @classmethod
@@ -249,6 +255,14 @@ class Parallel:
         """The layout in words."""
         if self.is_single:
             return "one device"
+        tensor = (f"tensor parallel over tp = {self.tp}" + (" with sequence parallelism" if self.sp else "")
+                  if not _is_one(self.tp) else "")
+        if self.data_single:
+            return tensor
+        out = self._describe_data()
+        return f"{tensor}, {out}" if tensor else out
+
+    def _describe_data(self) -> str:
         if self.fsdp:
             out = f"FSDP {self.fsdp} over dp = {self.dp}"
             if self.fsdp == "hybrid":

@@ -1,0 +1,94 @@
+"""Megatron's tensor and sequence parallelism (symmem.passes.tensor): Korthikanti et al.'s
+Table 2 reproduced, the split parameters counted, t = 1 the single device, bad layouts refused."""
+import pytest
+import sympy as sp
+
+import symmem as sm
+from symmem.errors import ConfigError
+from symmem.symbols import B_a, L, a, b, h, s, t
+
+
+@pytest.fixture(scope="module")
+def gelu_gpt2():
+    return sm.models.build_gpt2(sm.models.GPT2Config(activation_function="gelu"))
+
+
+def _per_layer(graph, parallel, recompute="none"):
+    est = sm.estimate(graph, sm.Policy("fp32", "adam", "cuda", attention="eager", parallel=parallel,
+                                       recompute=recompute))
+    return sp.expand(sp.expand(est.components["activations"]).coeff(L).subs(B_a, 2))
+
+
+# Korthikanti et al. 2022, Table 2 (2-byte activations, 1-byte dropout masks), per layer, plus
+# the layer norms' float32 mean and rstd symmem counts and they leave out: 2 norms * 2 * 4 *
+# s*b = 16*s*b, split along the sequence with sp.
+TABLE_2 = {
+    ("tp=t", "none"): s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) + 16 * s * b,
+    ("tp=t,sp=1", "none"): s * b * h * (34 / t + 5 * a * s / (h * t)) + 16 * s * b / t,
+    ("tp=t", "selective"): s * b * h * (10 + 24 / t) + 16 * s * b,
+    ("tp=t,sp=1", "selective"): s * b * h * 34 / t + 16 * s * b / t,
+}
+
+
+@pytest.mark.parametrize("parallel,recompute", list(TABLE_2))
+def test_korthikanti_table_2(gelu_gpt2, parallel, recompute):
+    # tensor parallel: 10*s*b*h whole (the two layer-norm inputs 4, the QKV and MLP inputs 4,
+    # the two dropout masks 2) and 24*s*b*h/t split (Q, K, V copies 6, the attention output 2,
+    # the MLP's 4h input and GELU output 16); the a*s^2 terms split with the heads
+    assert sp.expand(_per_layer(gelu_gpt2, parallel, recompute) - TABLE_2[parallel, recompute]) == 0
+
+
+def test_split_parameters_of_llama_2_7b():
+    # Every weight of the layers, the embedding and the head split in two; the norms whole:
+    # 2 * 4096 * 32 + 4096 = 266,240. (6,738,415,616 - 266,240) / 2 + 266,240 = 3,369,340,928
+    # parameters a rank, float32 (bf16-mixed keeps float32 weights): 13,477,363,712 bytes.
+    est = sm.estimate(sm.models.preset("llama-2-7b"), sm.Policy("bf16-mixed", "adamw", parallel="tp=2"))
+    ev = est.at(b=1, s=4096)
+    assert ev.bytes["params"] == ev.bytes["grads"] == 4 * 3_369_340_928 == 13_477_363_712
+    assert ev.bytes["optimizer"] == 2 * 13_477_363_712       # exp_avg, exp_avg_sq (steps on the host)
+
+
+@pytest.mark.parametrize("name,precision,impl", [("gpt2", "bf16-mixed", "foreach"),
+                                                 ("llama-2-7b", "fp32", "for-loop")])
+def test_t_equal_to_one_is_one_device(name, precision, impl):
+    g = sm.models.preset(name)
+    one = sm.estimate(g, sm.Policy(precision, "adamw", "cuda", impl))
+    split = sm.estimate(g, sm.Policy(precision, "adamw", "cuda", impl, parallel="tp=t"))
+    assert t in split.peak.free_symbols
+    x, y = one.at(b=2, s=512), split.at(b=2, s=512, t=1)
+    assert (x.bytes, x.peak_parts) == (y.bytes, y.peak_parts)
+
+
+def test_sequence_parallel_shrinks_every_layer_value():
+    g = sm.models.preset("llama-2-7b")
+    pol = {p: sm.estimate(g, sm.Policy("bf16-mixed", "adamw", parallel=p)).at(b=1, s=4096).bytes["activations"]
+           for p in ("none", "tp=8", "tp=8,sp=1")}
+    # sp splits what tp leaves whole: about 1/8 of the whole step's activations
+    assert pol["tp=8,sp=1"] < pol["tp=8"] < pol["none"]
+    assert abs(pol["tp=8,sp=1"] * 8 / pol["none"] - 1) < 0.02
+
+
+def test_bad_layouts_are_refused_with_the_values():
+    g = sm.models.preset("llama-2-7b")
+    with pytest.raises(ConfigError, match="a = 32 is not valid: expected a multiple of 3: Megatron splits"):
+        sm.estimate(g, sm.Policy("bf16-mixed", "adamw", parallel="tp=3")).at(b=1, s=128)
+    with pytest.raises(ConfigError, match=r"sp = True is not valid: expected tensor parallelism beside it"):
+        sm.Policy("bf16-mixed", "adamw", parallel="sp=1")
+    with pytest.raises(ConfigError, match="expected 1 with ZeRO, FSDP or offload"):
+        sm.estimate(g, sm.Policy("bf16-mixed", "adamw", parallel="tp=2,dp=2,zero=3"))
+    with pytest.raises(ConfigError, match="expected 1 with lora"):
+        sm.estimate(g, sm.Policy("bf16-mixed", "adamw", lora=8, parallel="tp=2"))
+    with pytest.raises(ConfigError, match="parallel with --mode inference = 'tp=2' is not valid"):
+        sm.estimate(g, sm.Policy("bf16", "adamw", mode="inference", parallel="tp=2"))
+
+
+def test_smallest_tensor_parallel_degree_that_fits():
+    # t must divide the heads (32) and the vocabulary (32,000): 1, 2, 4, 8, 16, 32. Llama-2-7B's
+    # states alone are 100.41 GiB on one device (16 bytes a parameter with AdamW's steps on the
+    # host); at t = 8 with sp 15.69 GiB fit 24 GiB - 10%, t = 4 (31.38 GiB) does not.
+    from symmem.solve import solve
+    g = sm.models.preset("llama-2-7b")
+    est = sm.estimate(g, sm.Policy("bf16-mixed", "adamw", "cuda", parallel="tp=t,sp=1"))
+    sol = solve(est, "t", "24GiB", direction="min", b=1, s=4096)
+    assert (sol.value, sol.step) == (8, 4)
+    assert sol.at_value.peak <= sol.usable < sol.past_value.peak
