@@ -291,8 +291,57 @@ def build_parser() -> argparse.ArgumentParser:
     bar.add_argument("--no-progress", dest="progress", action="store_const", const=False,
                      help="never show it (by default it shows when stderr is a terminal)")
     sw.set_defaults(func=cmd_sweep, progress=None)
+    ft = sub.add_parser(
+        "fit", help="the smallest cluster that fits: layouts, fewest GPUs first",
+        description="Every layout symmem models that trains the model on the GPU (or budget)\n"
+                    "at --seq and --global-batch: GPU counts 1, 2, 4, ... --max-gpus; tensor\n"
+                    "parallelism with sequence parallelism (tp 1-8), DDP, ZeRO 1-3 or FSDP over the\n"
+                    "rest; no, selective or full recomputation; the largest micro-batch that fits,\n"
+                    "the rest accumulated. Fewest GPUs first, then the lowest peak.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ft.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="NAME", help="a preset, by name or Hugging Face id")
+    src.add_argument("--config", metavar="PATH", help="a local Hugging Face config.json, or its folder")
+    ft.add_argument("--seq", type=positive_int, required=True, metavar="S", help="sequence length s")
+    ft.add_argument("--global-batch", type=positive_int, required=True, metavar="B",
+                    help="sequences per optimizer step, over all data-parallel ranks")
+    ft.add_argument("--max-gpus", type=positive_int, default=64, metavar="N",
+                    help="the most GPUs to try (default: %(default)s)")
+    ft.add_argument("--precision", default="bf16-mixed", metavar="NAME", help="(default: %(default)s)")
+    ft.add_argument("--optimizer", default="adamw", metavar="NAME", help="(default: %(default)s)")
+    ft.add_argument("--device", default="cuda", metavar="NAME", help="(default: %(default)s)")
+    _budget_options(ft)
+    ft.set_defaults(func=cmd_fit)
     _add_report_commands(sub)
     return parser
+
+
+def cmd_fit(args) -> int:
+    from .fit import fit, table
+    if args.model is not None:
+        graph = models.preset(args.model)
+    else:
+        try:
+            fam, cfg = models.hf_config(args.config)
+        except OSError as e:
+            raise ConfigError("config", args.config, "a readable config.json", str(e)) from None
+        graph = fam.build(cfg)
+    bud = make_budget(gpu=args.gpu, bytes=args.budget, reserve=args.reserve)
+    layouts = fit(graph, bud, args.seq, args.global_batch, precision=args.precision, optimizer=args.optimizer,
+                  device=args.device, max_gpus=args.max_gpus, derive=cached_estimate)
+    if args.format == "json":
+        print(json.dumps({"model": graph.name, "budget": bud.label, "usable": bud.usable, "seq": args.seq,
+                          "global_batch": args.global_batch, "layouts": [x.as_dict() for x in layouts]},
+                         indent=2))
+        return 0
+    print(f"symmem fit: {graph.name}, s = {args.seq:,}, global batch {args.global_batch:,}, "
+          f"{args.precision}, {args.optimizer}")
+    print(f"budget: {bud.label}")
+    if not layouts:
+        print(f"no layout of up to {args.max_gpus} GPUs fits: raise --max-gpus, or lower --seq")
+        return 1
+    print(table(layouts))
+    return 0
 
 
 def _negative_values(argv: list[str]) -> list[str]:

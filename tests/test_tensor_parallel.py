@@ -83,7 +83,7 @@ def test_bad_layouts_are_refused_with_the_values():
 
 
 def test_smallest_tensor_parallel_degree_that_fits():
-    # t must divide the heads (32) and the vocabulary (32,000): 1, 2, 4, 8, 16, 32. Llama-2-7B's
+    # t must divide the heads (32): 1, 2, 4, 8, 16, 32. Llama-2-7B's
     # states alone are 100.41 GiB on one device (16 bytes a parameter with AdamW's steps on the
     # host); at t = 8 with sp 15.69 GiB fit 24 GiB - 10%, t = 4 (31.38 GiB) does not.
     from symmem.solve import solve

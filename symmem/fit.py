@@ -1,0 +1,147 @@
+"""The smallest cluster that fits: the layouts that train a model on a GPU, fewest GPUs first.
+
+:func:`fit` takes a model, a budget (a GPU of the catalog, or bytes), a sequence length and a
+global batch, and tries every layout symmem models: GPU counts 1, 2, 4, ... up to
+``max_gpus``; Megatron's tensor parallelism with sequence parallelism over ``tp`` = 1, 2, 4, 8
+(within a node of eight) and the rest data-parallel, ``dp = gpus / tp``; DDP, ZeRO 1-3 and
+FSDP full sharding (with ``tp`` = 1: ZeRO with tensor parallelism is not modelled yet); no
+recomputation, selective or full; and the largest micro-batch ``b`` dividing ``global_batch /
+dp`` whose step fits, with ``global_batch / (dp * b)`` micro-batches accumulated (ZeRO 2 and 3
+accumulate none: not modelled yet, so ``b = global_batch / dp`` there; FSDP likewise).
+
+Each layout's peak is exact (:meth:`symmem.engine.Estimate.at`): one derivation per kind of
+layout, with the degrees ``d`` and ``t`` and the batch left as symbols, evaluated for every
+count. Accumulating ``k >= 2`` micro-batches peaks as two do (the later micro-batches are
+alike: each runs beside the gradients the first left), so ``accumulate=2`` stands for all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .engine import Estimate, estimate
+from .errors import ConfigError
+from .gpus import as_budget
+from .policy import Policy
+from .units import format_bytes
+
+__all__ = ["Layout", "fit", "SHARDINGS", "RECOMPUTE"]
+
+#: Data-parallel sharding tried, as Parallel fields: DDP, ZeRO 1-3, FSDP full shard.
+SHARDINGS = (("ddp", {}), ("zero-1", {"zero": 1}), ("zero-2", {"zero": 2}), ("zero-3", {"zero": 3}),
+             ("fsdp-full", {"fsdp": "full"}))
+RECOMPUTE = ("none", "selective", "full")
+TENSOR = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout that fits: ``gpus = dp * tp``; ``sharding`` one of :data:`SHARDINGS`' names
+    ("none" on one data-parallel rank);
+    ``micro_batch`` b and ``accumulate`` k with ``dp * b * k`` the global batch; ``peak`` the
+    most loaded rank's exact bytes (all ranks are alike here), ``usable`` the budget's."""
+    gpus: int
+    dp: int
+    tp: int
+    sp: bool
+    sharding: str
+    recompute: str
+    micro_batch: int
+    accumulate: int
+    peak: int
+    usable: int
+    bytes: dict
+
+    @property
+    def headroom(self) -> int:
+        return self.usable - self.peak
+
+    @property
+    def parallel(self) -> str:
+        """The layout as ``--parallel`` takes it."""
+        parts = [f"dp={self.dp}"] + [f"{k}={v}" for k, v in dict(SHARDINGS).get(self.sharding, {}).items()]
+        if self.tp > 1:
+            parts += [f"tp={self.tp}", "sp=1"]
+        return ",".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"gpus": self.gpus, "dp": self.dp, "tp": self.tp, "sp": self.sp, "zero": _zero(self.sharding),
+                "fsdp": "full" if self.sharding == "fsdp-full" else None, "recompute": self.recompute,
+                "micro_batch": self.micro_batch, "accumulate": self.accumulate, "parallel": self.parallel,
+                "peak": self.peak, "headroom": self.headroom, "bytes": dict(self.bytes)}
+
+
+def _zero(sharding: str) -> int:
+    return int(sharding[-1]) if sharding.startswith("zero") else 3 if sharding == "fsdp-full" else 0
+
+
+def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mixed",
+        optimizer: str = "adamw", device: str = "cuda", max_gpus: int = 64, reserve=None,
+        derive=estimate) -> list[Layout]:
+    """Every layout of the module docstring that fits ``budget`` (minus ``reserve``: symmem's
+    10% rule by default), fewest GPUs first, then the lowest peak. ``derive(graph, policy)``
+    makes the estimates (the command line passes the cached one)."""
+    for name, v in (("seq", seq), ("global batch", global_batch), ("max gpus", max_gpus)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(name, v, "a positive integer")
+    bud = as_budget(budget, reserve)
+    counts = [n for n in (2 ** i for i in range(max_gpus.bit_length())) if n <= max_gpus]
+    kinds: dict = {}
+
+    def est(tp: bool, sharding: str, recompute: str, accumulate: int, one_rank: bool) -> Estimate:
+        key = (tp, sharding, recompute, accumulate, one_rank)
+        if key not in kinds:       # one data-parallel rank: no DDP buckets, nothing sharded
+            data = {} if one_rank else {"dp": "d", **dict(SHARDINGS)[sharding]}
+            par = {**data, **({"tp": "t", "sp": True} if tp else {})} or {"dp": 1}
+            kinds[key] = derive(graph, Policy(precision, optimizer, device, recompute=recompute,
+                                              accumulate=accumulate, parallel=_spec(par)))
+        return kinds[key]
+
+    out = []
+    for gpus in counts:
+        for tp in (x for x in TENSOR if gpus % x == 0):
+            dp = gpus // tp
+            if global_batch % dp:
+                continue
+            for sharding, fields in SHARDINGS:
+                if (tp > 1 and fields) or (dp == 1 and fields):     # ZeRO with tp; sharding one rank
+                    continue
+                for recompute in RECOMPUTE:
+                    layout = _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, sharding, recompute)
+                    if layout is not None:
+                        out.append(layout)
+    return sorted(out, key=lambda x: (x.gpus, x.peak))
+
+
+def _spec(fields: dict) -> str:
+    return ",".join(f"{k}={1 if v is True else v}" for k, v in fields.items())
+
+
+def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, sharding, recompute) -> Layout | None:
+    """The largest micro-batch dividing ``global_batch / dp`` that fits (None if none does)."""
+    per_rank = global_batch // dp
+    no_accumulation = sharding in ("zero-2", "zero-3", "fsdp-full")
+    for b in sorted((x for x in range(1, per_rank + 1) if per_rank % x == 0), reverse=True):
+        k = per_rank // b
+        if k > 1 and no_accumulation:
+            continue
+        e = est(tp > 1, sharding, recompute, 1 if k == 1 else 2, dp == 1)
+        values = {"b": b, "s": seq, **({"d": dp} if dp > 1 else {}), **({"t": tp} if tp > 1 else {})}
+        try:
+            ev = e.at(**values)
+        except ConfigError:             # t does not divide the heads, s past the model's limit
+            return None
+        if ev.peak <= bud.usable:
+            name = "none" if dp == 1 else sharding
+            return Layout(gpus, dp, tp, tp > 1, name, recompute, b, k, ev.peak, bud.usable, dict(ev.bytes))
+    return None
+
+
+def table(layouts: list[Layout]) -> str:
+    """The layouts as the command line prints them."""
+    head = (f"{'gpus':>5} {'dp':>4} {'tp':>3}  {'sharding':<10} {'recompute':<10} {'b':>4} {'k':>4}"
+            f"  {'peak':>11}  {'headroom':>11}")
+    rows = [head]
+    for x in layouts:
+        rows.append(f"{x.gpus:>5} {x.dp:>4} {x.tp:>3}  {x.sharding:<10} {x.recompute:<10} {x.micro_batch:>4} "
+                    f"{x.accumulate:>4}  {format_bytes(x.peak):>11}  {format_bytes(x.headroom):>11}")
+    return "\n".join(rows)
