@@ -78,6 +78,8 @@ def test_bad_layouts_are_refused_with_the_values():
         sm.estimate(g, sm.Policy("bf16-mixed", "adamw", parallel="tp=2,dp=2,zero=3"))
     with pytest.raises(ConfigError, match="expected 1 with lora"):
         sm.estimate(g, sm.Policy("bf16-mixed", "adamw", lora=8, parallel="tp=2"))
+    with pytest.raises(ConfigError, match="expected 1 for resnet-50: it has no attention or MLP layer"):
+        sm.estimate(sm.models.preset("resnet-50"), sm.Policy("bf16-mixed", "sgd", parallel="tp=2"))
     with pytest.raises(ConfigError, match="parallel with --mode inference = 'tp=2' is not valid"):
         sm.estimate(g, sm.Policy("bf16", "adamw", mode="inference", parallel="tp=2"))
 

@@ -61,7 +61,7 @@ COLUMN = ("c_attn", "c_fc", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"
 ROW = ("c_proj", "o_proj", "down_proj", "out_proj", "dense_4h_to_h", "fc2", "attention.dense",
        "attention.output.dense", "output.dense", "o", "wo", "w2")
 _LINEAR = ("linear",)
-#: Keys of the parameters' own storages: :func:`prepare` sizes them through the parameters.
+#: Keys of the parameters' own storages, named by the parameter: split where it is.
 _PARAM_KINDS = ("param", "grad", "master", "state", "step", "cast", "gathered", "prefetched")
 _BYTES = frozenset(BYTE_SYMBOLS)
 
@@ -92,6 +92,9 @@ def _check(graph, policy) -> None:
         raise ConfigError("tp", str(policy.parallel.tp), "1 with ZeRO, FSDP or offload (their units of "
                           "split parameters are not modelled yet)", "Leave --tp out, or use it with plain "
                           "data parallelism (--dp) only.")
+    if not sharded_nodes(graph)[1]:
+        raise ConfigError("tp", str(policy.parallel.tp), f"1 for {graph.name}: it has no attention or MLP "
+                          "layer that Megatron splits (symmem.passes.tensor.COLUMN, ROW)", "Leave --tp out.")
     for name, on in (("lora", policy.lora), ("quantize", policy.quantize != "none"), ("fp8", policy.prec.fp8)):
         if on:
             raise ConfigError("tp", str(policy.parallel.tp), f"1 with {name} (tensor parallelism of "
@@ -252,7 +255,7 @@ def _linear_scratch(x, kind: str, bias_only: bool):
         if b in term.free_symbols:
             out += term / t if kind == "row" else term
             continue
-        dims = sum(e for x, e in term.as_powers_dict().items() if x.is_Symbol and x not in _BYTES)
+        dims = sum(n for base, n in term.as_powers_dict().items() if base.is_Symbol and base not in _BYTES)
         out += term / t if dims >= 2 or (kind == "column" and not bias_only) else term
     return out
 
