@@ -675,7 +675,7 @@ def _solution_json(sol, bud, est) -> dict:
 
 
 #: The option that fixes a symbol; any other is fixed with --set NAME=VALUE.
-SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D"}
+SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D", "d": "--dp D", "t": "--tp T"}
 
 
 def _missing(names: list, why: str) -> ConfigError:

@@ -94,3 +94,9 @@ def test_smallest_tensor_parallel_degree_that_fits():
     sol = solve(est, "t", "24GiB", direction="min", b=1, s=4096)
     assert (sol.value, sol.step) == (8, 4)
     assert sol.at_value.peak <= sol.usable < sol.past_value.peak
+
+
+def test_cli_names_the_flag_of_a_symbolic_degree(capsys):
+    from symmem.cli import main
+    assert main(["estimate", "--model", "gpt2", "--batch", "8", "--seq", "1024", "--tp", "t"]) != 0
+    assert "the formulas of gpt2 use t (t: tensor-parallel degree). Pass --tp T." in capsys.readouterr().err
