@@ -557,3 +557,79 @@ def test_llama_fsdp2_shards_per_rank():
         # At the start: shards, states, the rotary buffers inv_freq and original_inv_freq
         # (4 floats each, not sharded: 32) and the ids (2 * 8 int64: 128).
         assert r.step.at_start == shard * 4 + r.optimizer_state + 32 + 128
+
+
+
+#: A two-layer Llama whose key-value heads (2) and vocabulary (100) split in two.
+_TP_CONFIG = dict(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=2,
+                  num_hidden_layers=2, vocab_size=100, max_position_embeddings=64,
+                  attn_implementation="eager", use_cache=False, bos_token_id=0, eos_token_id=0,
+                  pad_token_id=None)
+
+
+def _llama_tp(rank, world_size):
+    """:data:`_TP_CONFIG`'s Llama under torch's tensor parallelism as Megatron splits it: q, k,
+    v, gate, up ColwiseParallel; o, down RowwiseParallel; the embedding's rows RowwiseParallel;
+    the head ColwiseParallel to logits sharded over the vocabulary, the cross entropy under
+    loss_parallel (its forward and its backward)."""
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                   parallelize_module)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_TP_CONFIG))
+    ids = torch.randint(0, 100, (2, 8))
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(2):
+        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in
+                     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")})
+        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ("self_attn.o_proj", "mlp.down_proj")})
+    model = parallelize_module(model, init_device_mesh("cpu", (world_size,)), plan)
+
+    class ParallelLoss:                 # what training_step calls backward() on
+        def __init__(self, loss):
+            self.loss = loss
+
+        def backward(self):
+            with loss_parallel():
+                self.loss.backward()
+
+    def loss(m):
+        with loss_parallel():
+            return ParallelLoss(m(ids, labels=ids).loss)
+    return RankSetup(model, loss, _optimizer("sgd", model.parameters()), [ids])
+
+
+def test_llama_tensor_parallel_rank_is_symmems():
+    import symmem as sm
+    ranks = distributed_step(_llama_tp, 2)
+    est = sm.estimate(sm.models.from_hf_config({"model_type": "llama", **_TP_CONFIG}),
+                      sm.Policy("fp32", "sgd", "cpu", "for-loop", attention="eager", parallel="tp=2"))
+    subs = est._subs({"b": 2, "s": 8})
+    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+                 for ph in ("forward", "backward", "optimizer")}
+    # Parameters a rank: the embedding's and the head's 50 of 100 rows (2 * 800), per layer
+    # q, k, v, o 4 * 128 and gate, up, down 3 * 320 split, two norms 32 whole; the final norm
+    # 16: 1600 + 2 * (1472 + 32) + 16 = 4624 floats = 18,496 bytes, symmem's too.
+    assert est.at(b=2, s=8).bytes["params"] == 18_496
+    head = next(int(p.total.xreplace(subs)) for p in est.timeline if p.where == "backward lm_head")
+    for r in ranks:
+        assert r.params == 18_496
+        ops = [x.op for x in r.step.timeline]
+        live = [x.live_bytes for x in r.step.timeline]
+        # forward: equal, at the cross entropy's nll_loss_forward
+        assert r.step.phase_peaks["forward"] == predicted["forward"] == 56_904
+        # backward: symmem's maximum is the log_softmax's backward, its new gradient (2 * 8 * 50
+        # floats = 3,200 bytes) beside the incoming one. Under DTensor's dispatch the tracker
+        # sees that operator only whole, the incoming gradient already gone: the moment is the
+        # sample before it plus the new gradient. (The largest sample, 57,656 at the head's
+        # weight gradient, is symmem's moment there too.)
+        i = ops.index("aten._log_softmax_backward_data.default")
+        assert predicted["backward"] == live[i - 1] + 3_200 == 59_832
+        assert r.step.phase_peaks["backward"] == 57_656 == head
+        # optimizer: torch's RowwiseParallel embedding hands back a Replicate gradient, the
+        # whole (100, 16) table (6,400 bytes) where Megatron keeps the rank's rows (3,200)
+        assert r.grads == 18_496 + 3_200
+        assert r.step.phase_peaks["optimizer"] == predicted["optimizer"] + 3_200 == 40_356

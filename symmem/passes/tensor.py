@@ -184,8 +184,10 @@ def apply(plan: Plan, graph, policy) -> Plan:
         """A storage's bytes on one rank."""
         if key.kind in _PARAM_KINDS:
             return nbytes / t if key.name in shapes and key.kind != "step" else nbytes
+        if key.kind == "scalar":        # a Python number autograd keeps: whole on every rank
+            return nbytes
         node = _node_of(key.name)
-        if key.kind in ("saved", "scalar") and node in kinds:    # a split linear's saved input
+        if key.kind == "saved" and node in kinds:    # a split linear's saved input
             return nbytes / t if kinds[node] == "row" or sp_on else nbytes
         return nbytes / t if node in scaled else nbytes
 
