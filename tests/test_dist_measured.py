@@ -567,11 +567,15 @@ _TP_CONFIG = dict(hidden_size=16, intermediate_size=40, num_attention_heads=2, n
                   pad_token_id=None)
 
 
-def _llama_tp(rank, world_size):
+def _llama_tp(precision):
+    return lambda rank, world_size: _llama_tp_rank(rank, world_size, precision)
+
+
+def _llama_tp_rank(rank, world_size, precision):
     """:data:`_TP_CONFIG`'s Llama under torch's tensor parallelism as Megatron splits it: q, k,
     v, gate, up ColwiseParallel; o, down RowwiseParallel; the embedding's rows RowwiseParallel;
     the head ColwiseParallel to logits sharded over the vocabulary, the cross entropy under
-    loss_parallel (its forward and its backward)."""
+    loss_parallel (its forward and its backward); bf16-mixed: the forward under autocast."""
     transformers = pytest.importorskip("transformers")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
@@ -597,38 +601,42 @@ def _llama_tp(rank, world_size):
                 self.loss.backward()
 
     def loss(m):
-        with loss_parallel():
+        with loss_parallel(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
             return ParallelLoss(m(ids, labels=ids).loss)
     return RankSetup(model, loss, _optimizer("sgd", model.parameters()), [ids])
 
 
-def test_llama_tensor_parallel_rank_is_symmems():
+@pytest.mark.parametrize("precision,forward,unseen,largest", [
+    ("fp32", 56_904, 59_832, 57_656),          # largest sample: the head's weight gradient
+    ("bf16-mixed", 60_872, 61_176, 58_108)])   # largest sample: nll_loss_backward
+def test_llama_tensor_parallel_rank_is_symmems(precision, forward, unseen, largest):
     import symmem as sm
-    ranks = distributed_step(_llama_tp, 2)
+    ranks = distributed_step(_llama_tp(precision), 2)
     est = sm.estimate(sm.models.from_hf_config({"model_type": "llama", **_TP_CONFIG}),
-                      sm.Policy("fp32", "sgd", "cpu", "for-loop", attention="eager", parallel="tp=2"))
+                      sm.Policy(precision, "sgd", "cpu", "for-loop", attention="eager", parallel="tp=2"))
     subs = est._subs({"b": 2, "s": 8})
-    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
-                 for ph in ("forward", "backward", "optimizer")}
+    moments = {ph: [(p.where, int(p.total.xreplace(subs))) for p in est.timeline if p.phase == ph]
+               for ph in ("forward", "backward", "optimizer")}
+    predicted = {ph: max(v for _, v in m) for ph, m in moments.items()}
     # Parameters a rank: the embedding's and the head's 50 of 100 rows (2 * 800), per layer
     # q, k, v, o 4 * 128 and gate, up, down 3 * 320 split, two norms 32 whole; the final norm
     # 16: 1600 + 2 * (1472 + 32) + 16 = 4624 floats = 18,496 bytes, symmem's too.
     assert est.at(b=2, s=8).bytes["params"] == 18_496
-    head = next(int(p.total.xreplace(subs)) for p in est.timeline if p.where == "backward lm_head")
     for r in ranks:
         assert r.params == 18_496
         ops = [x.op for x in r.step.timeline]
         live = [x.live_bytes for x in r.step.timeline]
         # forward: equal, at the cross entropy's nll_loss_forward
-        assert r.step.phase_peaks["forward"] == predicted["forward"] == 56_904
-        # backward: symmem's maximum is the log_softmax's backward, its new gradient (2 * 8 * 50
-        # floats = 3,200 bytes) beside the incoming one. Under DTensor's dispatch the tracker
-        # sees that operator only whole, the incoming gradient already gone: the moment is the
-        # sample before it plus the new gradient. (The largest sample, 57,656 at the head's
-        # weight gradient, is symmem's moment there too.)
+        assert r.step.phase_peaks["forward"] == predicted["forward"] == forward
+        # backward: symmem's maximum is the log_softmax's backward, its new float32 gradient
+        # (2 * 8 * 50 floats = 3,200 bytes) beside the incoming one. Under DTensor's dispatch
+        # the tracker sees that operator only whole, the incoming gradient already gone: the
+        # moment is the sample before it plus the new gradient. Every other moment of symmem's
+        # is a sample: the largest of them is the measured maximum.
         i = ops.index("aten._log_softmax_backward_data.default")
-        assert predicted["backward"] == live[i - 1] + 3_200 == 59_832
-        assert r.step.phase_peaks["backward"] == 57_656 == head
+        assert predicted["backward"] == live[i - 1] + 3_200 == unseen
+        others = [v for where, v in moments["backward"] if where != "backward log_softmax"]
+        assert r.step.phase_peaks["backward"] == max(others) == largest
         # optimizer: torch's RowwiseParallel embedding hands back a Replicate gradient, the
         # whole (100, 16) table (6,400 bytes) where Megatron keeps the rank's rows (3,200)
         assert r.grads == 18_496 + 3_200

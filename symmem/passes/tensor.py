@@ -110,7 +110,8 @@ def _blocks(graph):
 
 def sharded_nodes(graph) -> tuple[set, dict, set]:
     """(the nodes whose values are split over the tensor-parallel ranks, {node: "column" |
-    "row"} for the layers' split linears, the names of every node of the repeated blocks).
+    "row"} for the split linears (the layers' and the output layer), the names of every node
+    of the repeated blocks).
     Inside a block: each column-parallel linear and whatever depends on it up to the
     row-parallel linears; outside: the output layer (a linear of width ``V``) and the values
     of width ``V`` after it."""
@@ -135,6 +136,8 @@ def sharded_nodes(graph) -> tuple[set, dict, set]:
         wide = bool(n.shape) and n.shape[-1] == V
         if wide and (n.op in _LINEAR or any(i in vocab for i in n.inputs)):
             vocab.add(n.name)
+            if n.op in _LINEAR:             # the output layer: column-parallel over the vocabulary
+                kinds[n.name] = "column"
     return split | vocab, kinds, inside
 
 
@@ -203,10 +206,10 @@ def apply(plan: Plan, graph, policy) -> Plan:
                 temp = e.temp / t if kinds[e.node] == "row" or sp_on else e.temp
             else:
                 temp = e.temp / t if e.node in scaled else e.temp
-            if sp_on and kinds.get(e.node) == "column" and e.reads:    # the all-gathered input
+            if sp_on and e.node in inside and kinds.get(e.node) == "column" and e.reads:   # all-gathered
                 temp += sizes.get(e.reads[0], 0)
-            if sp_on and kinds.get(e.node) == "row" and e.out is not None:   # before reduce-scatter
-                temp += e.out_bytes
+            if sp_on and e.node in inside and kinds.get(e.node) == "row" and e.out is not None:
+                temp += e.out_bytes                                      # before reduce-scatter
             return replace(e, out_bytes=div(e.out, e.out_bytes) if e.out is not None else e.out_bytes,
                            new=tuple((key, div(key, nb)) for key, nb in e.new), temp=temp)
         if isinstance(e, (Alloc, Free)):
@@ -214,7 +217,7 @@ def apply(plan: Plan, graph, policy) -> Plan:
         if isinstance(e, Mark):
             node = _node_of(e.node)
             ex = tuple((r, extra(node, e.node, x)) for r, x in e.extra)
-            if sp_on and group is not None and node == group.node:
+            if sp_on and group is not None and node == group.node and node in inside:
                 gathered = _gathered(group, kinds, plan, sizes)
                 if gathered is not None:
                     ex = ex + (("transient", gathered),)
