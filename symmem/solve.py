@@ -176,6 +176,7 @@ class _Peak:
         if x == b and est.at_one is not est:      # b = 1: the step derived for it
             one = est.at_one.compiled(free).totals
             self.one = max(number(f({**known, b: 1})) for f in one)
+        self.search = _frontier(self.polys)
 
     def _value(self, i: int, v: int):
         coeffs, den = self.polys[i]
@@ -189,10 +190,30 @@ class _Peak:
     def __call__(self, v: int):
         if v == 1 and self.one is not None:
             return self.one
-        return max(self._value(i, v) for i in range(len(self.polys)))
+        return max(self._value(i, v) for i in self.search)
 
     def binding(self, v: int) -> int:
         return max(range(len(self.polys)), key=lambda i: self._value(i, v))
+
+
+def _frontier(polys: list) -> list:
+    """The candidates the peak can be at some x >= 1 (every value the solver tries): where all
+    are linear in x (a batch, the layers), candidate i is left out when another is at least
+    as large at x = 1 and grows at least as fast, i.e. never smaller -- the Pareto front of
+    (value at 1, slope), found by one sort. Otherwise all of them."""
+    if any(c is None or len(c) > 2 for c, _ in polys):
+        return list(range(len(polys)))
+    points = []
+    for i, (c, den) in enumerate(polys):
+        slope, const = (c[0], c[1]) if len(c) == 2 else (0, c[0] if c else 0)
+        points.append((Fraction(slope + const, den), Fraction(slope, den), i))
+    points.sort(key=lambda p: (-p[0], -p[1], p[2]))
+    keep, steepest = [], None
+    for at1, slope, i in points:
+        if steepest is None or slope > steepest:
+            keep.append(i)
+            steepest = slope
+    return sorted(keep)
 
 
 def solve(est: Estimate, symbol: str, budget, *, reserve=None, direction: str = "max",
