@@ -234,3 +234,12 @@ def test_the_search_limit_is_not_the_formula(gpt2):
         max_batch(gpt2, 10**30, s=1024, reserve=0)
     assert e.value.value == 2**40 and e.value.peak <= e.value.usable == 10**30
     assert str(e.value).startswith("the largest b is beyond the search: at b = 1,099,511,627,776 the peak")
+
+
+def test_search_keeps_the_candidates_that_can_be_the_peak():
+    from symmem.solve import _frontier
+    # x, 5, 2x, (x + 9)/2 on x >= 1: x is never above 2x; 5 leads at small x, 2x at large x;
+    # (x + 9)/2 is 5 at x = 1 like the constant but grows: the constant never leads alone
+    polys = [([1, 0], 1), ([5], 1), ([2, 0], 1), ([1, 9], 2)]
+    assert _frontier(polys) == [2, 3]
+    assert _frontier(polys + [(None, None)]) == [0, 1, 2, 3, 4]    # a ceiling: all kept
