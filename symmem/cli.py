@@ -318,14 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_fit(args) -> int:
     from .fit import fit, table
-    if args.model is not None:
-        graph = models.preset(args.model)
-    else:
-        try:
-            fam, cfg = models.hf_config(args.config)
-        except OSError as e:
-            raise ConfigError("config", args.config, "a readable config.json", str(e)) from None
-        graph = fam.build(cfg)
+    graph = _graph(args)
     bud = make_budget(gpu=args.gpu, bytes=args.budget, reserve=args.reserve)
     layouts = fit(graph, bud, args.seq, args.global_batch, precision=args.precision, optimizer=args.optimizer,
                   device=args.device, max_gpus=args.max_gpus, derive=cached_estimate)
@@ -418,6 +411,13 @@ def _load(args, policy: Policy):
     tie, share = getattr(args, "tie", None), getattr(args, "share", None) or ()
     if args.model is not None and tie is None and not share:
         return _preset_estimate(args.model, policy)
+    return cached_estimate(_graph(args), policy)
+
+
+def _graph(args):
+    """The graph of the model ``args`` names: a preset or a config.json, with ``--tie`` and
+    ``--share`` where the command has them."""
+    tie, share = getattr(args, "tie", None), getattr(args, "share", None) or ()
     try:
         fam, cfg = models.preset_config(args.model) if args.model is not None else models.hf_config(args.config)
     except OSError as e:          # unreadable file: say so, no traceback
@@ -440,7 +440,7 @@ def _load(args, policy: Policy):
                               f"{graph.name!r} has {len(blocks)}: share them in Python with "
                               "graph.with_shared_layers(name).")
         graph = graph.with_shared_layers(blocks[0])
-    return cached_estimate(graph, policy)
+    return graph
 
 
 def _number(v):

@@ -171,13 +171,7 @@ class _Monomials:
             if integer:
                 far[lo:hi] = ~(self.bound @ mono < EXACT_FROM)
         out = out.reshape(shape)
-        if integer and far.any():
-            out = np.array(out, dtype=object)
-            values = [np.broadcast_to(x, shape) for x in args]
-            for i in map(tuple, np.argwhere(far.reshape(shape))):
-                point = {x: sp.Integer(int(v[i])) for x, v in zip(syms, values)}
-                out[i] = max(int(sp.ceiling(e.xreplace(point))) for e in exprs)
-        return out
+        return _exactly_at(out, far.reshape(shape), exprs, syms, args) if integer and far.any() else out
 
 
 def _beyond_int64(out, fns, exprs, syms, args, shape):
@@ -191,10 +185,15 @@ def _beyond_int64(out, fns, exprs, syms, args, shape):
     floats = [x.astype(np.float64) for x in args]
     approx = np.maximum.reduce([np.broadcast_to(fn(*floats), shape) for fn in fns])
     far = ~(np.abs(approx) < EXACT_FROM)
-    if not far.any():
-        return out
+    return _exactly_at(out, far, exprs, syms, args) if far.any() else out
+
+
+def _exactly_at(out, far, exprs, syms, args):
+    """``out`` as an array of Python ints, the points where ``far`` recomputed exactly: the
+    largest of ``exprs`` there, rounded up."""
+    import numpy as np
     out = np.array(out, dtype=object)
-    values = [np.broadcast_to(x, shape) for x in args]
+    values = [np.broadcast_to(x, far.shape) for x in args]
     for i in map(tuple, np.argwhere(far)):
         point = {x: sp.Integer(int(v[i])) for x, v in zip(syms, values)}
         out[i] = max(int(sp.ceiling(e.xreplace(point))) for e in exprs)

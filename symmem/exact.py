@@ -35,19 +35,9 @@ class Compiled:
         """The exact value (an int, or a Fraction where it is not whole) at ``values``
         ({symbol: int}, every symbol of :attr:`gens` given; others are ignored)."""
         if self.terms is None:
-            v = self.expr.xreplace({k: sp.Integer(x) for k, x in values.items()})
-            return int(v) if v.is_Integer else Fraction(int(v.p), int(v.q)) if v.is_Rational else v
+            return number(self.expr.xreplace({k: sp.Integer(x) for k, x in values.items()}))
         xs = [values[g] for g in self.gens]
-        acc = 0
-        for exps, c in self.terms:
-            num, den = c, 1
-            for x, e in zip(xs, exps):
-                if e > 0:
-                    num = num * x ** e
-                elif e < 0:
-                    den *= x ** -e
-            acc += num if den == 1 else Fraction(num, den)
-        return acc
+        return sum(_term(c, zip(xs, exps)) for exps, c in self.terms)
 
     def polynomial(self, x, values: dict) -> list | None:
         """The formula as a polynomial in ``x`` with every other symbol of :attr:`gens` at
@@ -58,21 +48,24 @@ class Compiled:
         i = self.gens.index(x) if x in self.gens else None
         coeffs: dict = {}
         for exps, c in self.terms:
-            num, den = c, 1
-            for j, (g, e) in enumerate(zip(self.gens, exps)):
-                if j == i or e == 0:
-                    continue
-                v = values[g]
-                if e > 0:
-                    num = num * v ** e
-                else:
-                    den *= v ** -e
             deg = 0 if i is None else exps[i]
             if deg < 0:
                 return None
-            coeffs[deg] = coeffs.get(deg, 0) + (num if den == 1 else Fraction(num, den))
+            rest = ((values[g], e) for j, (g, e) in enumerate(zip(self.gens, exps)) if j != i)
+            coeffs[deg] = coeffs.get(deg, 0) + _term(c, rest)
         top = max(coeffs, default=0)
         return [coeffs.get(k, 0) for k in range(top + 1)]
+
+
+def _term(c, powers):
+    """``c * x1**e1 * x2**e2 ...`` over ``powers`` ((x, e), ...): an int where it is whole."""
+    num, den = c, 1
+    for x, e in powers:
+        if e > 0:
+            num = num * x ** e
+        elif e < 0:
+            den *= x ** -e
+    return num if den == 1 else Fraction(num, den)
 
 
 def compile(expr, bindings: dict) -> Compiled:

@@ -24,7 +24,7 @@ from .gpus import as_budget
 from .policy import Policy
 from .units import format_bytes
 
-__all__ = ["Layout", "fit", "SHARDINGS", "RECOMPUTE"]
+__all__ = ["Layout", "fit", "table", "SHARDINGS", "RECOMPUTE"]
 
 #: Data-parallel sharding tried, as Parallel fields: DDP, ZeRO 1-3, FSDP full shard.
 SHARDINGS = (("ddp", {}), ("zero-1", {"zero": 1}), ("zero-2", {"zero": 2}), ("zero-3", {"zero": 3}),
@@ -58,10 +58,8 @@ class Layout:
     @property
     def parallel(self) -> str:
         """The layout as ``--parallel`` takes it."""
-        parts = [f"dp={self.dp}"] + [f"{k}={v}" for k, v in dict(SHARDINGS).get(self.sharding, {}).items()]
-        if self.tp > 1:
-            parts += [f"tp={self.tp}", "sp=1"]
-        return ",".join(parts)
+        return _spec({"dp": self.dp, **dict(SHARDINGS).get(self.sharding, {}),
+                      **({"tp": self.tp, "sp": True} if self.tp > 1 else {})})
 
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "dp": self.dp, "tp": self.tp, "sp": self.sp, "zero": _zero(self.sharding),

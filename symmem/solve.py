@@ -149,7 +149,8 @@ class _Peak:
     """The peak as a function of one symbol, every other symbol bound: exact and fast. Each
     candidate is a polynomial in ``x`` with integer coefficients over one denominator
     (:meth:`symmem.engine.Estimate.compiled`), evaluated by Horner's rule with Python
-    integers; a candidate that is not one (a ceiling) is evaluated by sympy."""
+    integers; a candidate that is not one (a ceiling) is kept as ``(None, expr)`` and
+    evaluated by sympy."""
 
     def __init__(self, est: Estimate, x: sp.Symbol, subs: dict):
         self.x, self.polys, self.one = x, [], None
@@ -180,7 +181,7 @@ class _Peak:
 
     def _value(self, i: int, v: int):
         coeffs, den = self.polys[i]
-        if coeffs is None:
+        if coeffs is None:                  # den is the sympy expression
             return number(den.xreplace({self.x: v}))
         acc = 0
         for c in coeffs:
@@ -209,7 +210,7 @@ def _frontier(polys: list) -> list:
         points.append((Fraction(slope + const, den), Fraction(slope, den), i))
     points.sort(key=lambda p: (-p[0], -p[1], p[2]))
     keep, steepest = [], None
-    for at1, slope, i in points:
+    for _, slope, i in points:
         if steepest is None or slope > steepest:
             keep.append(i)
             steepest = slope

@@ -33,7 +33,7 @@ def test_each_layout_fits_and_is_its_estimate(gpt2_layouts):
         assert x.gpus == x.dp * x.tp and x.dp * x.micro_batch * x.accumulate == 64
     for x in _sample(gpt2_layouts):
         pol = sm.Policy("bf16-mixed", "adamw", "cuda", recompute=x.recompute,
-                        accumulate=1 if x.accumulate == 1 else x.accumulate, parallel=x.parallel)
+                        accumulate=x.accumulate, parallel=x.parallel)
         ev = sm.estimate(sm.models.preset("gpt2"), pol).at(b=x.micro_batch, s=1024)
         assert ev.peak == x.peak <= x.usable     # accumulate = 2 stood for k >= 2: the same peak
 

@@ -45,7 +45,7 @@ import sympy as sp
 
 from ..errors import ConfigError
 from ..graph import Node, Param, Repeat
-from ..plan import Alloc, Backward, Compute, Free, Key, Mark, Plan
+from ..plan import Alloc, Backward, Compute, Free, Key, Mark, Plan, flat
 from ..requirements import Requirement
 from ..symbols import BYTE_SYMBOLS, V, a, k, t
 
@@ -119,7 +119,7 @@ def sharded_nodes(graph) -> tuple[set, dict, set]:
     for rep in _blocks(graph):
         body = [n for n in rep.body.items if isinstance(n, Node)]
         inside.update(n.name for n in body)
-        kinds.update({n.name: _kind(n) for n in body if _kind(n)})
+        kinds.update({n.name: kind for n in body if (kind := _kind(n))})
         region = {n.name for n in body if kinds.get(n.name) == "column"}
         for n in body:                       # in order: a node reading the region joins it
             if n.name not in region and kinds.get(n.name) != "row" and any(i in region for i in n.inputs):
@@ -181,7 +181,13 @@ def apply(plan: Plan, graph, policy) -> Plan:
     # under sp, the layers' input (the embeddings' output, scattered along the sequence) too
     entering = {x for rep in _blocks(graph) for x in rep.carried}
     scaled = split | (inside | entering if sp_on else set())
-    sizes = {e.out: e.out_bytes for e in _flat_all(plan) if isinstance(e, Compute) and e.out is not None}
+    computes = {(e.node, e.copy): e for e in _forward(plan) if isinstance(e, Compute)}
+    sizes = {e.out: e.out_bytes for e in computes.values() if e.out is not None}
+
+    def split_input(node: str) -> bool:
+        """A split linear's input: split for a row-parallel one, and for every one under sp
+        (the column-parallel layer keeps the sequence shard it gathers from)."""
+        return kinds[node] == "row" or sp_on
 
     def div(key: Key, nbytes):
         """A storage's bytes on one rank."""
@@ -191,7 +197,7 @@ def apply(plan: Plan, graph, policy) -> Plan:
             return nbytes
         node = _node_of(key.name)
         if key.kind == "saved" and node in kinds:    # a split linear's saved input
-            return nbytes / t if kinds[node] == "row" or sp_on else nbytes
+            return nbytes / t if split_input(node) else nbytes
         return nbytes / t if node in scaled else nbytes
 
     def extra(node: str, label: str, x):
@@ -203,7 +209,7 @@ def apply(plan: Plan, graph, policy) -> Plan:
     def event(e, group=None):
         if isinstance(e, Compute):
             if e.node in kinds:
-                temp = e.temp / t if kinds[e.node] == "row" or sp_on else e.temp
+                temp = e.temp / t if split_input(e.node) else e.temp
             else:
                 temp = e.temp / t if e.node in scaled else e.temp
             if sp_on and e.node in inside and kinds.get(e.node) == "column" and e.reads:   # all-gathered
@@ -218,7 +224,7 @@ def apply(plan: Plan, graph, policy) -> Plan:
             node = _node_of(e.node)
             ex = tuple((r, extra(node, e.node, x)) for r, x in e.extra)
             if sp_on and group is not None and node == group.node and node in inside:
-                gathered = _gathered(group, kinds, plan, sizes)
+                gathered = _gathered(computes.get((group.node, group.copy)), kinds.get(node), sizes)
                 if gathered is not None:
                     ex = ex + (("transient", gathered),)
             return replace(e, extra=ex)
@@ -301,25 +307,23 @@ def _optimizer(plan: Plan, graph, policy, shapes: dict) -> tuple:
     return tuple(out)
 
 
-def _flat_all(plan: Plan):
-    from ..plan import flat
+def _forward(plan: Plan):
+    """Every forward event, of every micro-batch."""
     yield from flat(plan.forward)
     for mb in plan.later:
         yield from flat(mb.forward)
 
 
-def _gathered(group: Backward, kinds: dict, plan: Plan, sizes: dict):
+def _gathered(compute, kind, sizes: dict):
     """The whole buffer a split linear's backward gathers under sequence parallelism: a
-    column-parallel layer's input again, a row-parallel layer's output gradient."""
-    kind = kinds.get(group.node)
-    if kind is None:
+    column-parallel layer's input again, a row-parallel layer's output gradient (``compute``:
+    the layer's forward)."""
+    if compute is None:
         return None
-    for e in _flat_all(plan):
-        if isinstance(e, Compute) and e.node == group.node and e.copy == group.copy:
-            if kind == "column" and e.reads:
-                return sizes.get(e.reads[0])
-            if kind == "row" and e.out is not None:
-                return e.out_bytes
+    if kind == "column" and compute.reads:
+        return sizes.get(compute.reads[0])
+    if kind == "row" and compute.out is not None:
+        return compute.out_bytes
     return None
 
 
