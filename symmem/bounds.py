@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from fractions import Fraction
-from math import comb
+from math import comb, gcd
 
 import sympy as sp
 from sympy.core import basic as _basic
@@ -388,8 +388,15 @@ def terms_nonneg(d: dict) -> bool:
     decided here; a ratio (negative exponents) by :func:`provably_nonneg` itself."""
     if any(not base.is_Symbol for key in d for base, _ in key):
         return False
-    if any(ex < 0 for key in d for _, ex in key):
-        return provably_nonneg(_expr(d))
+    low: dict = {}
+    for key in d:
+        for base, ex in key:
+            if ex < 0:
+                low[base] = min(low.get(base, 0), ex)
+    if low:     # a Laurent polynomial: times the monomial that clears its denominators (> 0)
+        d = {frozenset({**{sym: -ex for sym, ex in low.items()},
+                        **{base: ex - low.get(base, 0) for base, ex in key}}.items()): c for key, c in d.items()}
+        d = {frozenset((base, ex) for base, ex in key if ex): c for key, c in d.items()}
     gens = sorted(_symbols(d), key=str)
     index = {g: i for i, g in enumerate(gens)}
     poly = {}
@@ -398,6 +405,14 @@ def terms_nonneg(d: dict) -> bool:
         for base, ex in key:
             exps[index[base]] = ex
         poly[tuple(exps)] = c
+    if all(c >= 0 for c in poly.values()):       # every monomial is positive
+        return True
+    scale = 1          # whole coefficients (times a positive number): integers add faster than fractions
+    for c in poly.values():
+        if isinstance(c, Fraction):
+            scale = scale * c.denominator // gcd(scale, c.denominator)
+    if scale != 1:
+        poly = {m: int(c * scale) for m, c in poly.items()}
     return all(c >= 0 for c in shifted_coeffs(poly, gens).values())
 
 

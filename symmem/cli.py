@@ -25,6 +25,7 @@ from . import cache
 from .cache import cached_estimate
 from .engine import COMPONENTS, canonical
 from .errors import ConfigError, SymmemError
+from .graph import Node
 from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
 from .printing import latex as render_latex_expr
 from .policy import PARTS, Parallel, Policy
@@ -148,10 +149,12 @@ PARALLEL_OPTIONS = (
     ("--prefetch", "prefetch", int, "N", "units gathered ahead under ZeRO-3/FSDP (default 1)"),
     ("--tp", "tp", str, "T", "tensor-parallel degree (Megatron: the layers and the vocabulary split over T ranks; a number, or t)"),
     ("--sp", "sp", None, None, "sequence parallelism beside --tp (norms, dropouts and residuals split along the sequence)"),
-    ("--pp", "pp", str, "P", "pipeline stages (not modelled yet)"),
-    ("--schedule", "schedule", str, "NAME", "pipeline schedule: gpipe | 1f1b | interleaved (not modelled yet)"),
-    ("--virtual-stages", "virtual_stages", int, "V", "virtual pipeline stages (not modelled yet)"),
-    ("--microbatches", "microbatches", int, "M", "pipeline micro-batches (not modelled yet)"),
+    ("--pp", "pp", str, "P", "pipeline stages (the layers split over P ranks, the embedding on the first, "
+                             "the output layer on the last; each stage reported)"),
+    ("--schedule", "schedule", str, "NAME", "pipeline schedule: gpipe | 1f1b | interleaved (default 1f1b)"),
+    ("--virtual-stages", "virtual_stages", int, "V", "chunks of layers per rank under --schedule interleaved"),
+    ("--microbatches", "microbatches", int, "M", "micro-batches of b per optimizer step under --pp "
+                                                 "(default 1)"),
     ("--cp", "cp", str, "C", "context-parallel degree (not modelled yet)"),
     ("--ep", "ep", str, "E", "expert-parallel degree (not modelled yet)"),
 )
@@ -475,9 +478,9 @@ def _report(args, policy: Policy) -> dict:
                        "seq": args.seq, **_decoder(args), "tie": getattr(args, "tie", None),
                        "share": list(getattr(args, "share", None) or ()), **policy_inputs(est.policy),
                        "attention_kernels": list(est.kernels)},
-            "batch_per_step": args.batch * policy.accumulate,     # b*K sequences per optimizer step
+            "batch_per_step": args.batch * policy.micro_batches,   # b*K sequences per optimizer step
             "bindings": {str(k): _number(v) for k, v in bindings.items()},
-            "parameters": int(est.prepared.param_count().xreplace(bindings)),
+            "parameters": _parameters(est),
             "bytes": {k: ev.bytes[k] for k in (*COMPONENTS, *(("cache",) if inference else ()), "peak")},
             **({"host_bytes": ev.bytes["host"]} if "host" in ev.bytes else {}),
             **({"new_tokens": args.new_tokens, "phase_peaks": _phase_peaks(est, ev)} if inference else {}),
@@ -486,6 +489,7 @@ def _report(args, policy: Policy) -> dict:
             "peak_iteration": point.iteration or None,
             "peak_where": point.where,
             "peak_breakdown": {role: v for role, v in ev.peak_parts.items() if role != "cache" or inference},
+            **_ranks(est, ev, args),
         },
     }
     if args.format == "json":       # the formulas as text: the JSON's alone, and the slowest to print
@@ -554,10 +558,17 @@ def render_table(args, policy: Policy, r: dict) -> str:
                          f"{'' if args.seq is None else f', seq s = {args.seq:,}'}{tokens}; model {dims}", WIDTH,
                          subsequent_indent="  "),
            ""]
-    if policy.accumulate > 1:
-        out.insert(-1, f"  {policy.accumulate} micro-batches of b = {args.batch:,}: {j['batch_per_step']:,} "
+    if policy.micro_batches > 1:
+        out.insert(-1, f"  {policy.micro_batches} micro-batches of b = {args.batch:,}: {j['batch_per_step']:,} "
                        f"sequences per optimizer step")
     w = 34
+    if "ranks" in j:
+        out += [f"{'pipeline stage':<{w}}{'params':>14}{'activations':>14}{'peak':>14}  peak during",
+                *(f"{str(x['stage']) + (' (most loaded)' if x['stage'] == j['most_loaded'] else ''):<{w}}"
+                  f"{format_bytes(x['bytes']['params']):>14}{format_bytes(x['bytes']['activations']):>14}"
+                  f"{format_bytes(x['bytes']['peak']):>14}  {x['peak_where'].split(': ', 1)[1]}"
+                  for x in j["ranks"]),
+                "", f"the most loaded stage, {j['most_loaded']}:"]
     # the columns as wide as their widest value (at least as before), so they never touch
     values = [*ev.bytes.values(), *ev.peak_parts.values()]
     wb = max(18, max(len(f"{v:,}") for v in values) + 2)
@@ -593,6 +604,35 @@ def render_table(args, policy: Policy, r: dict) -> str:
                "a log grid):"] if r["regions"] else [])]
     out += [_wrap(str(reg)) for reg in r["regions"]]
     return "\n".join(out)
+
+
+def _parameters(est) -> int:
+    """The model's parameters (adapters included), each once: every stage's under a pipeline."""
+    if not est.ranks:
+        return int(est.prepared.param_count().xreplace(est.bindings))
+    whole, layers = {}, sp.Integer(0)       # a tied output layer's copy on the last stage once
+    for g in (r.prepared for r in est.ranks):
+        outside = {q.name for item in g.items if isinstance(item, Node) for q in item.params}
+        for q, m in g.params():
+            if q.name in outside:
+                whole[q.name] = q.numel
+            else:
+                layers += q.numel * m
+    return int((layers + sum(whole.values(), sp.Integer(0))).xreplace(est.bindings))
+
+
+def _ranks(est, ev, args) -> dict:
+    """Under pipeline parallelism, each stage's bytes and peak (``ranks``) and the most loaded
+    one's index (``most_loaded``; ``bytes`` are its)."""
+    if not est.ranks:
+        return {}
+    values = {"b": args.batch, **({} if args.seq is None else {"s": args.seq}), **_decoder(args)}
+    ranks = []
+    for i, rank in enumerate(est.ranks):
+        e = rank.at(**values)
+        ranks.append({"stage": i, "bytes": {k: e.bytes[k] for k in (*COMPONENTS, "peak")},
+                      "peak_phase": e.peak_point.phase, "peak_where": e.peak_point.where})
+    return {"ranks": ranks, "most_loaded": int(ev.peak_point.rank)}
 
 
 def render_latex(args, policy: Policy, r: dict) -> str:

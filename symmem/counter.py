@@ -32,7 +32,7 @@ from .requirements import Requirement
 from .plan import (AUTOGRAD, CHECKPOINT, ROLES, Alloc, Begin, Compute, End, Free, Mark, Plan,
                    Release, flat)
 
-__all__ = ["Point", "Timeline", "count", "resolve"]
+__all__ = ["Point", "Timeline", "count", "saved", "resolve"]
 
 ZERO = sp.Integer(0)
 INF = float("inf")
@@ -46,6 +46,7 @@ class Point:
     parts: tuple          # ((role, bytes expr), ...) in ROLES order
     iteration: str = ""   # "first", "second", "second to last", "last" inside a repeated block
     micro: str = ""       # the micro-batch, under gradient accumulation
+    rank: str = ""        # the pipeline stage, under pipeline parallelism
 
     @cached_property
     def total(self) -> sp.Expr:
@@ -62,7 +63,8 @@ class Point:
     def where(self) -> str:
         it = f" ({self.iteration} iteration)" if self.iteration else ""
         mb = f" (micro-batch {self.micro})" if self.micro else ""
-        return f"{self.phase} {self.node}{it}{mb}"
+        stage = f"stage {self.rank}: " if self.rank else ""
+        return f"{stage}{self.phase} {self.node}{it}{mb}"
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class Timeline:
     points: tuple
     components: dict
     requirements: tuple = ()
+    #: of the activations, the bytes saved by nodes outside every repeated block
+    outside: sp.Expr = ZERO
 
 
 def count(plan: Plan) -> Timeline:
@@ -82,7 +86,19 @@ def count(plan: Plan) -> Timeline:
     walk.run(ops)
     comps = dict(plan.components)
     comps["activations"] = sp.expand(walk.saved_at_end_of_forward)
-    return Timeline(tuple(walk.points), comps, tuple(plan.requirements) + tuple(walk.requirements))
+    return Timeline(tuple(walk.points), comps, tuple(plan.requirements) + tuple(walk.requirements),
+                    sp.expand(walk.outside_at_end_of_forward))
+
+
+def saved(plan: Plan) -> tuple[sp.Expr, sp.Expr]:
+    """(the bytes held for backward when the first micro-batch's forward ends, those of them
+    saved outside every repeated block): :func:`count`'s ``activations`` and ``outside``
+    without the points (a pass that sizes what a step keeps asks this)."""
+    ops = resolve(plan)
+    end = next(i for i, op in enumerate(ops) if op[0] == "end of forward")
+    walk = _Saved()
+    walk.run(ops[:end + 1])
+    return sp.expand(walk.saved_at_end_of_forward), sp.expand(walk.outside_at_end_of_forward)
 
 
 # ----- liveness -----------------------------------------------------------------------------
@@ -155,6 +171,9 @@ def resolve(plan: Plan) -> list:
         # linear layer keeps) are counted as what they are, not again
         saved = st.role not in ("params", "buffers") and st.created <= end_of_forward < end and any(
             _activation_holder(h) and p <= end_of_forward < ends[h] for h, p in st.holds.items())
+        # an allocation of activations (other micro-batches' saved tensors, alive through
+        # forward and backward: a pipeline's in flight) is held for backward too
+        saved = saved or (st.explicit and st.role == "activations" and st.created <= end_of_forward)
         allocs[i] = (role, st.nbytes * st.count if saved else ZERO)
         if st.brief and not st.holds and end == st.created:
             allocs[i] = None               # made and freed inside its op, before the mark
@@ -172,14 +191,15 @@ def resolve(plan: Plan) -> list:
                     continue
                 role, saved = allocs[i]
                 ops.append(("alloc", storages[i].nbytes, role, storages[i].count, saved))
-            ops.append(("mark", ph, e.node, (("transient", e.temp),), e.copy, mb))
+            if ph is not None:
+                ops.append(("mark", ph, e.node, (("transient", e.temp),), e.copy, mb))
         elif isinstance(e, Alloc):
             (i,) = index[pos]
             role, saved = allocs[i]
             ops.append(("alloc", e.nbytes, role, e.count, saved))
         elif isinstance(e, Free):
             ops.append(("free", e.nbytes, e.role, sp.Integer(1)))
-        elif isinstance(e, Mark):
+        elif isinstance(e, Mark) and ph is not None:
             ops.append(("mark", e.phase, e.node, e.extra, e.copy, mb))
         elif isinstance(e, Begin):
             ops.append(("begin", e.block, e.copy, e.count))
@@ -218,6 +238,7 @@ class _Walk:
         self.points: list[Point] = []
         self.requirements: list = []
         self.saved_at_end_of_forward = ZERO
+        self.outside = self.outside_at_end_of_forward = ZERO    # saved outside every block
 
     def run(self, ops):
         i = 0
@@ -227,7 +248,11 @@ class _Walk:
                 copies, i = self._occurrence(ops, i)
                 self._block(op[1], op[3], copies)
                 continue
+            before = self.saved
             self._apply(op, "")
+            self.outside += self.saved - before
+            if op[0] == "end of forward":
+                self.outside_at_end_of_forward = self.outside
             i += 1
 
     def _apply(self, op, label, out=None):
@@ -336,19 +361,19 @@ class _Walk:
         at most some point of the block's other segments (the same node first)? The count is
         a symbol or an expression in one (``L - N``, ``L/K``).
 
-        Where the count is the symbol plus a whole number (``L``, ``L - 1``) and every point a
-        sum of products (:func:`~symmem.bounds.terms`), the points are substituted, sampled and
-        compared as dictionaries of terms: the same exact numbers as sympy's, without building
-        an expression per point and count."""
+        Where the count is linear in the symbol (``L``, ``L - 1``, ``L/4``: a pipeline stage's)
+        and every point a sum of products (:func:`~symmem.bounds.terms`), the points are
+        substituted, sampled and compared as dictionaries of terms: the same exact numbers as
+        sympy's, without building an expression per point and count."""
         if len(n.free_symbols) != 1:
             return False
         (x,) = n.free_symbols
-        shift = n - x
+        slope, shift = sp.expand(n).coeff(x, 1), sp.expand(n).coeff(x, 0)
         mine = [p for p, _ in cands]
-        if shift.is_Integer:
+        if slope.is_Rational and slope > 0 and shift.is_Rational and sp.expand(n - slope * x - shift) == 0:
             every = {id(p): merged_terms([e for _, e in p.parts]) for _, cs in walked for p, _ in cs}
             if all(d is not None for d in every.values()):
-                found = _harmless_terms(x, int(shift), c, walked, mine, every)
+                found = _harmless_terms(x, slope, shift, c, walked, mine, every)
                 if found is not None:
                     return found
         for k in range(1, c + 1):
@@ -369,20 +394,41 @@ class _Walk:
         return True
 
 
-def _harmless_terms(x, shift: int, c: int, walked, mine, every: dict) -> bool | None:
-    """:meth:`_Walk._harmless` for a count ``x + shift``, each point's total given as
-    :func:`~symmem.bounds.terms` in ``every`` (by ``id``). sympy's solve of ``x + shift = k``
-    finds the one root ``k - shift`` when it is a positive integer (``x`` is one), none
-    otherwise. None when an atom of a point (a ceiling) holds ``x``: no shortcut then."""
+class _Saved(_Walk):
+    """A walk that keeps the bytes saved for backward only: no points, no checks."""
+
+    def _apply(self, op, label, out=None):
+        if op[0] != "mark":
+            super()._apply(op, label, out)
+
+    def _segment(self, body, m, first_label, last_label):
+        start = self.saved
+        for op in body:
+            self._apply(op, first_label)
+        self.saved = sp.expand(start + m * (self.saved - start))
+        return m, []
+
+    def _check_small_counts(self, block, n, walked):
+        return
+
+
+def _harmless_terms(x, slope, shift, c: int, walked, mine, every: dict) -> bool | None:
+    """:meth:`_Walk._harmless` for a count ``slope * x + shift``, each point's total given as
+    :func:`~symmem.bounds.terms` in ``every`` (by ``id``). The count is ``k`` at ``x = (k -
+    shift) / slope``: below 1, the count cannot be so small (False: required); not whole,
+    ``x`` (a whole number) never makes it ``k``. None when an atom of a point (a ceiling)
+    holds ``x``: no shortcut then."""
     for k in range(1, c + 1):
-        root = k - shift
+        root = (k - shift) / slope
         if root < 1:
             return False
-        at = {x: sp.Integer(root)}
+        if not root.is_Integer:
+            continue
+        at = {x: root}
         real = [p for mm, cs in walked if sp.sympify(mm).xreplace(at) >= 1 for p, _ in cs]
         value = {}
         for p in real + mine:
-            d = substitute(every[id(p)], x, root)
+            d = substitute(every[id(p)], x, int(root))
             if d is None:            # an atom holds the count: no shortcut
                 return None
             value[id(p)] = d

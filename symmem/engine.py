@@ -18,7 +18,8 @@ from .errors import ConfigError
 from .graph import Graph
 from .policy import Policy
 from .policy.attention import resolve
-from .bounds import merged_terms, monomials, product, provably_nonneg, prune, prune_terms, terms, total
+from .bounds import (merged_terms, monomials, product, provably_nonneg, prune, prune_terms, terms, terms_nonneg,
+                     terms_samples, total)
 from .counter import Point, Timeline, count
 from . import exact, passes
 from .lowering import lower
@@ -299,6 +300,10 @@ class Estimate:
         self.points = _prune(list(timeline.points))
         self.bindings = {**{symbol(k) if isinstance(k, str) else k: sp.sympify(v)
                             for k, v in graph.bindings.items()}, **policy.bindings()}
+        #: under pipeline parallelism, each stage's own estimate (rank 0 first); this one's
+        #: points are all of theirs (its peak the most loaded rank's), its components the
+        #: first stage's, and :meth:`at` evaluates the most loaded rank
+        self.ranks: tuple = ()
 
     def __getstate__(self) -> dict:
         """Pickled without :attr:`peak`: unpickling rebuilds ``Max(...)`` with evaluation,
@@ -322,7 +327,9 @@ class Estimate:
         solvers and :meth:`cases` use it at b = 1."""
         if self.policy.batch_one or b not in set().union(*(t.free_symbols for t in self.totals)):
             return self
-        one = estimate(self.graph, replace(self.policy, batch_one=True))
+        policy = replace(self.policy, batch_one=True)
+        one = (_stage(self.graph, policy, _derive(self.graph, policy)) if self.policy.parallel.pp > 1 and not self.ranks
+               else estimate(self.graph, policy))
         at = {b: sp.Integer(1)}
         same = ({k: sp.expand(v.xreplace(at)) for k, v in one.components.items()}
                 == {k: sp.expand(v.xreplace(at)) for k, v in self.components.items()}
@@ -535,6 +542,9 @@ class Estimate:
     def at(self, **values) -> Evaluation:
         """Exact integer bytes at ``values`` (e.g. ``b=8, s=1024``), over the model's bindings
         (at b = 1, the step derived for it: :attr:`at_one`)."""
+        if self.ranks:
+            evs = [rank.at(**values) for rank in self.ranks]
+            return max(evs, key=lambda ev: ev.peak)          # the first of the most loaded
         if self._region(values) is not self:
             return self._region(values).at(**values)
         subs = self._subs(values)
@@ -614,6 +624,8 @@ def estimate(graph: Graph, policy: Policy | None = None) -> Estimate:
     policy = replace(policy, attention=resolve(policy.attention, graph.attention))
     if policy.mode == "inference":
         return _inference(graph, policy)
+    if policy.parallel.pp > 1:
+        return _pipeline(graph, policy)
     plan, timeline, prepared = _derive(graph, policy)
     return Estimate(graph, policy, plan, timeline, prepared)
 
@@ -648,6 +660,69 @@ def _inference(graph: Graph, policy: Policy) -> Estimate:
     components = {**first.components, "activations": sp.Integer(0),
                   "cache": passes.inference.cache_bytes(decode, decode_graph)}
     return Estimate(graph, policy, plan, Timeline(tuple(points), components, tuple(requirements)), prepared)
+
+
+def _pipeline(graph: Graph, policy: Policy) -> Estimate:
+    """Every pipeline stage's step (:mod:`symmem.passes.pipeline`), each an estimate of its
+    own, and one over them all: its points every stage's, named by stage, so that its peak
+    is the most loaded rank's; its components the first stage's. Stages that hold the same
+    (a middle one's layers, the same micro-batches in flight) are derived once."""
+    par, ranks, points, requirements, memo = policy.parallel, [], [], [], {}
+    for r in range(par.pp):
+        key = (r == 0, r == par.pp - 1,
+               passes.pipeline.in_flight(par.schedule, par.pp, par.virtual_stages, par.microbatches, r))
+        if key not in memo:
+            memo[key] = _derive(graph, replace(policy, stage=r))
+        ranks.append(_stage(graph, replace(policy, stage=r), memo[key]))
+        points += ranks[-1]._timeline.points
+        requirements += ranks[-1]._timeline.requirements
+    first = ranks[0]
+    est = Estimate(graph, policy, first.plan, Timeline(tuple(_across_stages(ranks)), first._timeline.components,
+                                                       tuple(requirements)), first.prepared)
+    est.ranks = tuple(ranks)
+    return est
+
+
+def _across_stages(ranks) -> list:
+    """Every stage's points but those the same moment of another stage provably exceeds (of
+    equal ones, the first stage's): a middle stage runs the first's layers with fewer
+    micro-batches in flight and no embedding."""
+    def key(p):
+        return p.phase, p.node, p.iteration, p.micro
+    every = [p for rank in ranks for p in rank.points]
+    terms = {id(p): merged_terms([e for _, e in p.parts]) for p in every}
+    if any(t is None for t in terms.values()):
+        return every
+    values = dict(zip(map(id, every), terms_samples([terms[id(p)] for p in every])))
+    same: dict = {}
+    for rank in ranks:
+        for p in rank.points:
+            same.setdefault(key(p), []).append(p)
+
+    def exceeds(q, p) -> bool:
+        if not all(x >= y for x, y in zip(values[id(q)], values[id(p)])):
+            return False          # smaller somewhere: not provably larger
+        tq, tp = terms[id(q)], terms[id(p)]
+        diff = dict(tq)
+        for k, v in tp.items():
+            diff[k] = diff.get(k, 0) - v
+        return terms_nonneg({k: v for k, v in diff.items() if v != 0})
+
+    out = []
+    for r, rank in enumerate(ranks):
+        for p in rank.points:
+            others = [q for q in same[key(p)] if q.rank != p.rank]
+            if not any(exceeds(q, p) and (int(q.rank) < r or not exceeds(p, q)) for q in others):
+                out.append(p)
+    return out
+
+
+def _stage(graph: Graph, policy: Policy, derived) -> Estimate:
+    """The estimate of the pipeline stage ``policy.stage`` from its (plan, timeline, prepared
+    graph), its points named by the stage."""
+    plan, timeline, prepared = derived
+    timeline = replace(timeline, points=tuple(replace(p, rank=str(policy.stage)) for p in timeline.points))
+    return Estimate(graph, policy, plan, timeline, prepared)
 
 
 class CompiledEstimate:

@@ -47,6 +47,7 @@ __all__ = [
     "param_bytes",
     "saved_bytes",
     "training_step",
+    "schedule_step",
     "plain_step",
     "PassReport",
     "inference_pass",
@@ -497,6 +498,51 @@ def training_step(
     phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES}
     return StepReport(top.live_bytes, top.phase, top.op, timeline, at_start, phase_peaks,
                       cuda_max, top.micro)
+
+
+def schedule_step(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    actions: Iterable[tuple[str, int]],
+    forward: Callable[[int], Any],
+    backward: Callable[[int], Any],
+    *,
+    steps: int = 2,
+    extra: Any = (),
+) -> StepReport:
+    """:func:`training_step` for one rank of a pipeline: each iteration is
+    ``optimizer.zero_grad(set_to_none=True)``, then ``actions`` in order (``("F", i)`` calls
+    ``forward(i)``, phase "forward" of micro-batch ``i + 1``; ``("B", i)`` calls
+    ``backward(i)``, phase "backward"), then ``optimizer.step()``. ``forward`` and
+    ``backward`` keep what the schedule holds between them (the outputs of the micro-batches
+    in flight); the last iteration is tracked as :func:`training_step` tracks it."""
+    actions = list(actions)
+    for _ in range(steps - 1):
+        optimizer.zero_grad(set_to_none=True)
+        for kind, i in actions:
+            (forward if kind == "F" else backward)(i)
+        optimizer.step()
+    device = _module_device(module)
+    tracker = _LiveTracker(device)
+    optimizer.zero_grad(set_to_none=True)
+    for t in _existing(module, optimizer, extra):
+        tracker.register(t)
+    with _WrappedScalars(tracker), tracker:
+        at_start = tracker.live
+        for kind, i in actions:
+            tracker.micro, tracker.phase = i + 1, "forward" if kind == "F" else "backward"
+            tracker.sample("<start>")
+            (forward if kind == "F" else backward)(i)
+            tracker.sample("<end>")
+        tracker.phase, tracker.micro = "optimizer", 0
+        tracker.sample("<start>")
+        optimizer.step()
+        tracker.sample("<end>")
+    timeline = tuple(tracker.samples)
+    top = max(timeline, key=lambda s: s.live_bytes)
+    phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES
+                   if any(s.phase == ph for s in timeline)}
+    return StepReport(top.live_bytes, top.phase, top.op, timeline, at_start, phase_peaks, None, top.micro)
 
 
 def plain_step(

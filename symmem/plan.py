@@ -219,10 +219,13 @@ def _node(name: str, copy: int) -> str:
 @dataclass(frozen=True)
 class MicroBatch:
     """A micro-batch after the first (gradient accumulation): its forward and backward,
-    run before the optimizer step. ``label`` names it in the timeline ("2", "8")."""
+    run before the optimizer step. ``label`` names it in the timeline ("2", "8").
+    ``warmup``: its forward ran earlier, before the first backward (a pipeline's warm-up),
+    so none of its moments can be the peak: it only makes what its backward frees."""
     label: str
     forward: tuple
     backward: tuple
+    warmup: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,13 +255,16 @@ class Plan:
         return replace(self, **{name: tuple(events)})
 
     def sections(self):
-        """(title, phase, micro-batch label, events) in the order the step runs them."""
+        """(title, phase, micro-batch label, events) in the order the step runs them (phase
+        None: a warm-up forward, whose moments are not counted as the peak's candidates)."""
         first = "1" if self.later else ""
         out = [("states", "states", "", self.states),
                ("forward" + (" (micro-batch 1)" if first else ""), "forward", first, self.forward),
                ("backward" + (" (micro-batch 1)" if first else ""), "backward", first, self.backward)]
         for mb in self.later:
-            out += [(f"forward (micro-batch {mb.label})", "forward", mb.label, mb.forward),
+            warm = " (warm-up, before the first backward)" if mb.warmup else ""
+            out += [(f"forward (micro-batch {mb.label}){warm}", None if mb.warmup else "forward", mb.label,
+                     mb.forward),
                     (f"backward (micro-batch {mb.label})", "backward", mb.label, mb.backward)]
         return out + [("optimizer", "optimizer", "", self.optimizer)]
 

@@ -70,13 +70,24 @@ def test_parallel_defaults_and_specs():
     ({"dp": 12, "fsdp": "hybrid"}, "dp with fsdp hybrid = 12 is not valid: expected a multiple of the shard "
                                    "group's 8 ranks."),
     ({"tp": 0}, "tp = 0 is not valid: expected a whole number >= 1 or the symbol t."),
-    ({"pp": 4}, "pp = '4' is not valid: expected 1 (pipeline parallelism is not modelled yet)."),
+    ({"pp": 0}, "pp = 0 is not valid: expected a whole number >= 1."),
+    ({"pp": "p"}, "pp = 'p' is not valid: expected a whole number >= 1."),
+    ({"pp": 4, "schedule": "zigzag"}, "schedule = 'zigzag' is not valid: expected one of gpipe, 1f1b, interleaved."),
+    ({"pp": 4, "schedule": "interleaved"}, "virtual_stages = 1 is not valid: expected 2 or more chunks per rank "
+                                           "for the interleaved schedule."),
+    ({"pp": 4, "schedule": "interleaved", "virtual_stages": 2, "microbatches": 6},
+     "microbatches = 6 is not valid: expected a multiple of the 4 pipeline stages (the interleaved schedule runs "
+     "micro-batches in groups of p)."),
+    ({"pp": 4, "virtual_stages": 2}, "virtual_stages = 2 is not valid: expected 1 with the 1f1b schedule"),
+    ({"pp": 4, "microbatches": 0}, "microbatches = 0 is not valid: expected a whole number >= 1."),
     ({"cp": 2}, "cp = '2' is not valid: expected 1 (context parallelism is not modelled yet)."),
     ({"ep": 2}, "ep = '2' is not valid: expected 1 (expert parallelism is not modelled yet)."),
     ({"sp": True}, "sp = True is not valid: expected tensor parallelism beside it (tp > 1): sequence "
                    "parallelism splits the layers' norms and dropouts over the tensor-parallel ranks."),
-    ({"schedule": "gpipe"}, "schedule = 'gpipe' is not valid: expected 1f1b (pipeline schedules are not "
-                            "modelled yet)."),
+    ({"schedule": "gpipe"}, "pp = 1 is not valid: expected 2 or more pipeline stages for a schedule, virtual "
+                            "stages or micro-batches."),
+    ({"microbatches": 4}, "pp = 1 is not valid: expected 2 or more pipeline stages for a schedule, virtual "
+                          "stages or micro-batches."),
 ])
 def test_bad_layouts_name_the_values(kwargs, message):
     with pytest.raises(ConfigError) as e:

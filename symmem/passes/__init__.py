@@ -12,10 +12,11 @@ schedules, inference) are further modules here.
 """
 from __future__ import annotations
 
-from . import accumulate, attention, fp8, inference, keep_fp32, lora, quantize, recompute, regions, shard, tensor
+from . import (accumulate, attention, fp8, inference, keep_fp32, lora, pipeline, quantize, recompute, regions, shard,
+               tensor)
 
-__all__ = ["PASSES", "prepare", "run", "inference", "regions", "keep_fp32", "attention", "fp8", "quantize", "lora", "recompute", "accumulate",
-           "tensor", "shard"]
+__all__ = ["PASSES", "prepare", "run", "inference", "regions", "keep_fp32", "attention", "fp8", "quantize", "lora",
+           "recompute", "accumulate", "tensor", "shard", "pipeline"]
 
 #: The passes, in the order they rewrite a graph and a plan: inference's step graph first (its
 #: cache nodes and shapes are what the attention kernel then sees), the layer ranges (the
@@ -23,8 +24,11 @@ __all__ = ["PASSES", "prepare", "run", "inference", "regions", "keep_fp32", "att
 #: float32, the attention kernel (chosen in each node's dtype; recomputation sees the
 #: kernel's operators), FP8 and quantized layers before the adapters that wrap them; tensor
 #: parallelism (the layers split over t ranks, their parameters first) before sharding (data
-#: parallelism, ZeRO, FSDP, offload), last, over the whole step of one rank.
-PASSES = (inference, regions, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate, tensor, shard)
+#: parallelism, ZeRO, FSDP, offload) over the whole step of one rank; the pipeline last: its
+#: stage is cut from the graph the others rewrote, and the micro-batches it holds in flight
+#: are what that stage's step, every other pass applied, keeps for backward.
+PASSES = (inference, regions, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate, tensor, shard,
+          pipeline)
 
 
 def prepare(graph, policy):

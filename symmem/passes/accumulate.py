@@ -14,21 +14,29 @@ What PyTorch does, measured (``tests/test_recompute_measured.py``):
 - every later micro-batch runs its forward with all the gradients alive, and its
   backward computes each parameter's gradient as a new tensor, adds it into ``.grad`` in
   place and frees it; a tied weight's first gradient waits until its second arrives;
-- ``loss / K`` is a new 0-dim tensor; the previous micro-batch's loss is referenced until
-  the next one replaces it; ``backward`` holds the gradient of the scaled loss until it
+- ``loss / K`` is a new 0-dim tensor (its backward saves K, a 0-dim float64 tensor on the
+  CPU, on the host under CUDA); the previous micro-batch's loss is referenced until the next
+  one replaces it; ``backward`` holds the gradient of the scaled loss until it
   returns, and the division's backward makes the gradient of the loss;
 - one micro-batch's tensors are on the device at a time (each replaces the last).
 
 Micro-batches 2 to K - 1 leave memory as they found it, so the plan holds micro-batch 1,
 micro-batch 2 (for every middle one) and micro-batch K: the peak over the step is exact.
+
+A pipeline's micro-batches (``Parallel.microbatches``) are accumulated so too; a stage
+before the last has no loss to scale: its backward starts from the gradient it receives
+(:mod:`symmem.passes.pipeline`).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
+import sympy as sp
+
+from ..graph import Repeat
 from ..plan import LOOP, Alloc, Backward, Compute, Free, Hold, Key, Mark, MicroBatch, Plan, Release
 
-__all__ = ["prepare", "apply"]
+__all__ = ["prepare", "apply", "loss_holder"]
 
 
 def prepare(graph, policy):
@@ -36,12 +44,16 @@ def prepare(graph, policy):
 
 
 def apply(plan: Plan, graph, policy) -> Plan:
-    k = policy.accumulate
+    k = policy.micro_batches
     if k == 1:
         return plan
     labels = ["1", "2", str(k)][:min(k, 3)]
-    forwards = [_forward(plan, label, labels) for label in labels]
-    backwards = [_backward(plan, later=label != "1") for label in labels]
+    if graph.items and isinstance(graph.items[-1], Repeat):     # a pipeline stage that sends its output on
+        forwards = [plan.forward] * len(labels)
+        backwards = [plan.backward] + [tuple(_temporary_grads(list(plan.backward)))] * (len(labels) - 1)
+    else:
+        forwards = [_forward(plan, label, labels, policy.device == "cpu") for label in labels]
+        backwards = [_backward(plan, later=label != "1") for label in labels]
     later = tuple(MicroBatch(label, f, b) for label, f, b in zip(labels[1:], forwards[1:], backwards[1:]))
     note = (f"accumulate {k}: micro-batches 1, " + ("2 (each of 2 to {0}) and {1}".format(k - 1, k) if k > 3
                                                       else ", ".join(labels[1:]))
@@ -49,11 +61,16 @@ def apply(plan: Plan, graph, policy) -> Plan:
     return replace(plan, forward=forwards[0], backward=backwards[0], later=later, notes=plan.notes + (note,))
 
 
-def _holder(label: str) -> str:
+def loss_holder(label: str) -> str:
+    """The training loop's hold on micro-batch ``label``'s scaled loss."""
     return f"{LOOP} (loss of micro-batch {label})"
 
 
-def _forward(plan: Plan, label: str, labels: list) -> tuple:
+_K = Key("scalar", "loss / K:K")
+_DIVISION = "the division's backward"
+
+
+def _forward(plan: Plan, label: str, labels: list, cpu: bool) -> tuple:
     """The forward of micro-batch ``label``, then, once the model has returned, the loss
     divided by K, kept by the loop until the next micro-batch's replaces it (the loss itself
     is dropped once divided)."""
@@ -61,9 +78,13 @@ def _forward(plan: Plan, label: str, labels: list) -> tuple:
            for e in plan.forward]
     nbytes = next(e.out_bytes for e in plan.forward if isinstance(e, Compute) and e.out == plan.loss)
     scaled = Key("value", "loss / K")
-    out.append(Compute("loss / K", scaled, nbytes, reads=(plan.loss,), holds=(Hold(scaled, _holder(label)),)))
+    new, holds = (), (Hold(scaled, loss_holder(label)),)
+    if cpu:       # DivBackward0 saves K, wrapped in a 0-dim float64 tensor (on the host under CUDA);
+        # the loop's, not among the model's activations
+        new, holds = ((_K, sp.Integer(8)),), holds + (Hold(_K, _DIVISION),)
+    out.append(Compute("loss / K", scaled, nbytes, new=new, reads=(plan.loss,), holds=holds))
     if label != labels[0]:
-        out.append(Release(_holder(labels[labels.index(label) - 1])))
+        out.append(Release(loss_holder(labels[labels.index(label) - 1])))
     return tuple(out)
 
 
@@ -76,7 +97,7 @@ def _backward(plan: Plan, later: bool) -> tuple:
     first = events[0]                         # the loss's gradient, held to the end by lowering
     scaled = Key("vgrad", "loss / K")
     events[0] = Alloc(scaled, first.nbytes, "transient")
-    events.insert(1, Backward("loss / K", 0, (first, Mark("backward", "loss / K", ()))))
+    events.insert(1, Backward("loss / K", 0, (first, Mark("backward", "loss / K", ()), Release(_DIVISION))))
     end = events.pop()                        # the Free of the loss's gradient, held to the end ...
     events.append(Free(scaled, first.nbytes, "transient"))
     loss_group = next(j for j, e in enumerate(events) if isinstance(e, Backward) and e.node == plan.loss.name)

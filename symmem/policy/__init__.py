@@ -93,6 +93,8 @@ class Policy:
     step: str = field(default="prefill", repr=False)
     #: derive the step at b = 1 (set by :attr:`symmem.engine.Estimate.at_one`, not a choice)
     batch_one: bool = field(default=False, repr=False)
+    #: the pipeline stage a plan is derived for (set by the engine, not a choice)
+    stage: int = field(default=0, repr=False)
 
     def __post_init__(self):
         if str(self.cache).lower() == "quantized":      # a name users reach for: refused with the reason
@@ -180,6 +182,33 @@ class Policy:
             raise ConfigError("accumulate with sharded gradients", self.accumulate,
                               "1 (accumulation into sharded gradients, ZeRO-2/3 and FSDP, is not modelled yet)",
                               "Use --zero 1 or DDP with --accumulate, or leave --accumulate out.")
+        if par.pp > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self):
+        """A pipeline's micro-batches are its own (``--microbatches``); its stages are cut from
+        one block of alike layers, with sharding at most ZeRO-1 beside them (as Megatron and
+        DeepSpeed's pipeline engine allow)."""
+        par = self.parallel
+        if self.accumulate > 1:
+            raise ConfigError("accumulate with --pp", self.accumulate,
+                              "1: a pipeline accumulates over its own micro-batches",
+                              f"Give --microbatches {self.accumulate * par.microbatches} instead of --accumulate.")
+        if par.stage >= 2:
+            raise ConfigError("pp with sharded gradients", f"pp={par.pp}, zero stage {par.stage}",
+                              "ZeRO-1 (--zero 1: Megatron's distributed optimizer) or none beside a pipeline",
+                              "Megatron and DeepSpeed's pipeline engine shard the optimizer states only; "
+                              "use --zero 1 or leave --pp out.")
+        for name, value in (("keep_fp32", self.keep_fp32), ("quantize_skip", self.quantize_skip)):
+            if value:
+                raise ConfigError(f"{name} with --pp", ",".join(value), "none (layer ranges across pipeline "
+                                  "stages are not modelled yet)", f"Leave --{name.replace('_', '-')} out.")
+        if self.recompute.mode not in ("none", "full", "selective", "every", "nth"):
+            raise ConfigError("recompute with --pp", str(self.recompute), "none, full, selective, every:K or nth:K "
+                              "(layer ranges across pipeline stages are not modelled yet)",
+                              "Use --recompute full or every:K.")
+        if not 0 <= self.stage < par.pp:
+            raise ConfigError("stage", self.stage, f"a pipeline rank from 0 to {par.pp - 1}")
 
     def _check_fp8(self):
         """Transformer Engine's FP8 GEMMs run on CUDA (compute capability 8.9 and later), and
@@ -206,6 +235,12 @@ class Policy:
                               "Load the model in one dtype and compute the quantized layers in it, as "
                               "QLoRA does (torch_dtype and bnb_4bit_compute_dtype bfloat16): --precision "
                               "bf16. Autocast over quantized layers is not modelled.")
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step: the pipeline's (``parallel.microbatches``) or the
+        accumulated ones (``accumulate``)."""
+        return self.parallel.microbatches if self.parallel.pp > 1 else self.accumulate
 
     @property
     def prec(self) -> Precision:

@@ -9,8 +9,9 @@ for data parallelism): the formulas stay in ``d`` and a number is bound like a c
 What is modelled today: data parallelism (PyTorch DDP's gradient buckets), ZeRO stages 1-3
 (DeepSpeed), FSDP's full, grad-op and hybrid sharding, and offload of the optimizer states and
 of the parameters (:mod:`symmem.passes.shard`); Megatron's tensor and sequence parallelism
-(:mod:`symmem.passes.tensor`). Pipeline, context and expert parallelism are part of the layout
-but refused ("not modelled yet") until their passes exist.
+(:mod:`symmem.passes.tensor`); pipeline parallelism with the GPipe, 1F1B and interleaved
+schedules (:mod:`symmem.passes.pipeline`), each stage a rank of its own. Context and expert
+parallelism are part of the layout but refused ("not modelled yet") until their passes exist.
 
 A spec string names the same thing on a command line: ``"dp=8,zero=3,offload=optimizer"``
 (``"none"``: one device).
@@ -43,8 +44,12 @@ OFFLOAD = {"none": "everything on the device",
                      "offload_param: cpu with ZeRO-3; FSDP's CPUOffload(offload_params=True), which "
                      "moves the gradients and the step to the host too)",
            "both": "optimizer and params"}
-#: Pipeline schedules (not modelled yet).
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: Pipeline schedules (:mod:`symmem.passes.pipeline`).
+SCHEDULES = {"gpipe": "every micro-batch's forward, then every backward (GPipe; torch's ScheduleGPipe)",
+             "1f1b": "one forward, one backward in turn after p - r - 1 warm-up forwards (PipeDream-Flush; "
+                     "Megatron's default, torch's Schedule1F1B)",
+             "interleaved": "1F1B over v chunks of layers per rank (Megatron's virtual pipeline stages; "
+                            "torch's ScheduleInterleaved1F1B)"}
 #: The degree fields, their symbol where symmem has one, and the option that sets them.
 DEGREES = {"dp": _d, "tp": _t, "pp": None, "cp": None, "ep": None}
 
@@ -79,8 +84,10 @@ class Parallel:
     ``shard_size``: the ranks a hybrid shard spans (8: one node of eight GPUs, an assumption
     to state); ``offload``: ``"none"``, ``"optimizer"``, ``"params"`` or ``"both"``. ``tp``,
     ``sp``: Megatron's tensor-parallel degree (an integer or the symbol ``t``) and sequence
-    parallelism beside it. ``pp``, ``schedule``, ``virtual_stages``, ``microbatches``, ``cp``,
-    ``ep``: the layout's other degrees, refused above 1 until they are modelled. ``reduce_bucket``:
+    parallelism beside it. ``pp``: pipeline stages (an integer); ``schedule``: ``"gpipe"``,
+    ``"1f1b"`` or ``"interleaved"``; ``virtual_stages``: chunks of layers per rank (interleaved
+    only); ``microbatches``: micro-batches per optimizer step, each of ``b``. ``cp``, ``ep``: the
+    layout's other degrees, refused above 1 until they are modelled. ``reduce_bucket``:
     DeepSpeed's ``reduce_bucket_size`` (elements of its gradient bucket, 5e8 by default; FSDP
     has none); ``prefetch``: units gathered ahead of the one computed (ZeRO-3, FSDP; 1)."""
     dp: object = 1
@@ -146,20 +153,47 @@ class Parallel:
         self._refuse_unmodelled()
 
     def _refuse_unmodelled(self):
-        """Tensor, sequence, pipeline, context and expert parallelism: part of the layout,
-        refused until their passes exist."""
-        what = {"pp": "pipeline parallelism", "cp": "context parallelism", "ep": "expert parallelism"}
+        """Context and expert parallelism: part of the layout, refused until their passes
+        exist; the pipeline's schedule checked."""
+        what = {"cp": "context parallelism", "ep": "expert parallelism"}
         for name, words in what.items():
             if not _is_one(getattr(self, name)):
                 raise ConfigError(name, str(getattr(self, name)), "1 (" + words + " is not modelled yet)",
-                                  "Data and tensor parallelism, ZeRO, FSDP and offload are; leave --" + name + " out.")
+                                  "Data, tensor and pipeline parallelism, ZeRO, FSDP and offload are; leave --"
+                                  + name + " out.")
         if self.sp and _is_one(self.tp):
             raise ConfigError("sp", True, "tensor parallelism beside it (tp > 1): sequence parallelism splits "
                               "the layers' norms and dropouts over the tensor-parallel ranks", "Add --tp 2 (or more).")
-        for name, default in (("schedule", "1f1b"), ("virtual_stages", 1), ("microbatches", 1)):
-            if getattr(self, name) != default:
-                raise ConfigError(name, getattr(self, name), f"{default} (pipeline schedules are not modelled yet)",
-                                  f"Leave --{name.replace('_', '-')} out.")
+        self._check_schedule()
+
+    def _check_schedule(self):
+        schedule = str(self.schedule).lower().replace("-", "")
+        if schedule not in SCHEDULES:
+            raise ConfigError("schedule", self.schedule, f"one of {', '.join(SCHEDULES)}",
+                              "1f1b is Megatron's default; interleaved needs --virtual-stages 2 or more.")
+        object.__setattr__(self, "schedule", schedule)
+        for name in ("virtual_stages", "microbatches"):
+            v = getattr(self, name)
+            if isinstance(v, str) and v.strip().isdigit():
+                v = int(v)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(name, v, "a whole number >= 1")
+            object.__setattr__(self, name, v)
+        p, v, m = self.pp, self.virtual_stages, self.microbatches
+        if p == 1 and (schedule != "1f1b" or v != 1 or m != 1):
+            raise ConfigError("pp", p, "2 or more pipeline stages for a schedule, virtual stages or micro-batches",
+                              "Add --pp 2 (or more); without a pipeline, micro-batches are --accumulate.")
+        if schedule == "interleaved":
+            if v < 2:
+                raise ConfigError("virtual_stages", v, "2 or more chunks per rank for the interleaved schedule",
+                                  "Give --virtual-stages 2, or --schedule 1f1b.")
+            if m % p:
+                raise ConfigError("microbatches", m, f"a multiple of the {p} pipeline stages (the interleaved "
+                                  "schedule runs micro-batches in groups of p)",
+                                  f"Take --microbatches {p * max(1, round(m / p))}.")
+        elif v != 1:
+            raise ConfigError("virtual_stages", v, f"1 with the {schedule} schedule (chunks per rank are the "
+                              "interleaved schedule's)", "Give --schedule interleaved, or leave --virtual-stages out.")
 
     # ----- what the layout means ------------------------------------------------------------
     @property
@@ -198,12 +232,16 @@ class Parallel:
 
     @property
     def is_single(self) -> bool:
-        """One device: one data-parallel rank (:attr:`data_single`) and no tensor parallelism."""
-        return self.data_single and _is_one(self.tp)
+        """One device: one data-parallel rank (:attr:`data_single`), no tensor and no
+        pipeline parallelism."""
+        return self.data_single and _is_one(self.tp) and self.pp == 1
 
     def micro_batch(self, global_batch: int, accumulate: int = 1):
         """The micro-batch ``b`` of each rank for a global batch: ``global_batch / (dp *
-        accumulate)``, which must be whole (a ConfigError naming the three otherwise)."""
+        accumulate)`` (``accumulate``: the pipeline's micro-batches under ``pp``), which must be
+        whole (a ConfigError naming the three otherwise)."""
+        if self.pp > 1:
+            accumulate = self.microbatches
         ranks = self.dp * accumulate
         if isinstance(ranks, int):
             if global_batch % ranks:
@@ -257,6 +295,11 @@ class Parallel:
             return "one device"
         tensor = (f"tensor parallel over tp = {self.tp}" + (" with sequence parallelism" if self.sp else "")
                   if not _is_one(self.tp) else "")
+        if self.pp > 1:
+            chunks = f", {self.virtual_stages} chunks per rank" if self.virtual_stages > 1 else ""
+            pipe = (f"pipeline over pp = {self.pp} stages ({self.schedule}{chunks}, {self.microbatches} "
+                    f"micro-batch{'es' * (self.microbatches != 1)} per step)")
+            tensor = f"{tensor}, {pipe}" if tensor else pipe
         if self.data_single:
             return tensor
         out = self._describe_data()

@@ -15,10 +15,13 @@ __all__ = ["input_rule", "carry_rule", "split_rule", "heads_rule", "repeat_kv_ru
 def input_rule(node, ins, ctx):
     """A tensor handed to the model (token ids, labels; no gradient by default), or a buffer of
     the model: ``dtype="param"`` is the parameters' dtype (a floating buffer that
-    ``model.to(dtype)`` casts with the weights, and autocast leaves in float32)."""
+    ``model.to(dtype)`` casts with the weights, and autocast leaves in float32);
+    ``dtype="shape"``: sizes only, no tensor (a pipeline stage that receives no batch reads
+    them from the tensor it receives)."""
     from ..dtypes import dtype_bytes
     name = node.attr("dtype", "int64")
-    known = {"int64": I64, "float32": F32, "bool": BOOL, "float64": F64, "param": ctx.param_dtype}
+    known = {"int64": I64, "float32": F32, "bool": BOOL, "float64": F64, "param": ctx.param_dtype,
+             "shape": DType("shape", sp.Integer(0), 2)}
     dt = known.get(name) or DType(name, dtype_bytes(name), 2)
     return Footprint(TensorInfo(node.attr("shape"), dt, requires_grad=bool(node.attr("requires_grad"))))
 
