@@ -304,6 +304,8 @@ class Estimate:
         #: points are all of theirs (its peak the most loaded rank's), its components the
         #: first stage's, and :meth:`at` evaluates the most loaded rank
         self.ranks: tuple = ()
+        #: a stage's (key, shared memo): the stages derived alike share their step at b = 1
+        self._alike: tuple = (None, {})
 
     def __getstate__(self) -> dict:
         """Pickled without :attr:`peak`: unpickling rebuilds ``Max(...)`` with evaluation,
@@ -328,8 +330,15 @@ class Estimate:
         if self.policy.batch_one or b not in set().union(*(t.free_symbols for t in self.totals)):
             return self
         policy = replace(self.policy, batch_one=True)
-        one = (_stage(self.graph, policy, _derive(self.graph, policy)) if self.policy.parallel.pp > 1 and not self.ranks
-               else estimate(self.graph, policy))
+        if self.ranks:          # every stage's own
+            one = _combined(self.graph, policy, [rank.at_one for rank in self.ranks])
+        elif self.policy.parallel.pp > 1:      # a stage: derived once for the stages alike
+            key, shared = self._alike
+            if key not in shared:
+                shared[key] = _derive(self.graph, policy)
+            one = _stage(self.graph, policy, shared[key])
+        else:
+            one = estimate(self.graph, policy)
         at = {b: sp.Integer(1)}
         same = ({k: sp.expand(v.xreplace(at)) for k, v in one.components.items()}
                 == {k: sp.expand(v.xreplace(at)) for k, v in self.components.items()}
@@ -667,18 +676,24 @@ def _pipeline(graph: Graph, policy: Policy) -> Estimate:
     own, and one over them all: its points every stage's, named by stage, so that its peak
     is the most loaded rank's; its components the first stage's. Stages that hold the same
     (a middle one's layers, the same micro-batches in flight) are derived once."""
-    par, ranks, points, requirements, memo = policy.parallel, [], [], [], {}
+    par, ranks, memo, alike = policy.parallel, [], {}, {}
     for r in range(par.pp):
         key = (r == 0, r == par.pp - 1,
                passes.pipeline.in_flight(par.schedule, par.pp, par.virtual_stages, par.microbatches, r))
         if key not in memo:
             memo[key] = _derive(graph, replace(policy, stage=r))
         ranks.append(_stage(graph, replace(policy, stage=r), memo[key]))
-        points += ranks[-1]._timeline.points
-        requirements += ranks[-1]._timeline.requirements
+        ranks[-1]._alike = (key, alike)
+    return _combined(graph, policy, ranks)
+
+
+def _combined(graph: Graph, policy: Policy, ranks: list) -> Estimate:
+    """The estimate over the stages ``ranks``: their points (:func:`_across_stages`), the
+    first stage's components."""
     first = ranks[0]
+    requirements = tuple(r for rank in ranks for r in rank._timeline.requirements)
     est = Estimate(graph, policy, first.plan, Timeline(tuple(_across_stages(ranks)), first._timeline.components,
-                                                       tuple(requirements)), first.prepared)
+                                                       requirements), first.prepared)
     est.ranks = tuple(ranks)
     return est
 
