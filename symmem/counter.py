@@ -75,8 +75,6 @@ class Timeline:
     points: tuple
     components: dict
     requirements: tuple = ()
-    #: of the activations, the bytes saved by nodes outside every repeated block
-    outside: sp.Expr = ZERO
 
 
 def count(plan: Plan) -> Timeline:
@@ -86,8 +84,7 @@ def count(plan: Plan) -> Timeline:
     walk.run(ops)
     comps = dict(plan.components)
     comps["activations"] = sp.expand(walk.saved_at_end_of_forward)
-    return Timeline(tuple(walk.points), comps, tuple(plan.requirements) + tuple(walk.requirements),
-                    sp.expand(walk.outside_at_end_of_forward))
+    return Timeline(tuple(walk.points), comps, tuple(plan.requirements) + tuple(walk.requirements))
 
 
 def saved(plan: Plan) -> tuple[sp.Expr, sp.Expr]:

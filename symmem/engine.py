@@ -705,10 +705,10 @@ def _across_stages(ranks) -> list:
     def key(p):
         return p.phase, p.node, p.iteration, p.micro
     every = [p for rank in ranks for p in rank.points]
-    terms = {id(p): merged_terms([e for _, e in p.parts]) for p in every}
-    if any(t is None for t in terms.values()):
+    sums = {id(p): merged_terms([e for _, e in p.parts]) for p in every}
+    if any(t is None for t in sums.values()):
         return every
-    values = dict(zip(map(id, every), terms_samples([terms[id(p)] for p in every])))
+    values = dict(zip(map(id, every), terms_samples([sums[id(p)] for p in every])))
     same: dict = {}
     for rank in ranks:
         for p in rank.points:
@@ -717,7 +717,7 @@ def _across_stages(ranks) -> list:
     def exceeds(q, p) -> bool:
         if not all(x >= y for x, y in zip(values[id(q)], values[id(p)])):
             return False          # smaller somewhere: not provably larger
-        tq, tp = terms[id(q)], terms[id(p)]
+        tq, tp = sums[id(q)], sums[id(p)]
         diff = dict(tq)
         for k, v in tp.items():
             diff[k] = diff.get(k, 0) - v

@@ -40,6 +40,7 @@ from dataclasses import replace
 
 import sympy as sp
 
+from ..counter import saved
 from ..errors import ConfigError
 from ..graph import Node, Repeat
 from ..plan import LOOP, Alloc, Compute, Free, Key, Plan, Release
@@ -183,7 +184,6 @@ def apply(plan: Plan, graph, policy) -> Plan:
     frees its output once sent."""
     if not active(policy):
         return plan
-    from ..counter import saved            # what the stage's own step keeps sizes what it holds
     par, r = policy.parallel, policy.stage
     p, v, m = par.pp, par.virtual_stages, par.microbatches
     counts, steady = in_flight(par.schedule, p, v, m, r)
@@ -193,7 +193,7 @@ def apply(plan: Plan, graph, policy) -> Plan:
         plan = _received_per_micro_batch(plan, graph)
     if r == p - 1 and plan.later:
         plan = _loss_dropped(plan)
-    a_all, a_out = saved(plan)
+    a_all, a_out = saved(plan)             # what the stage's own step keeps sizes what it holds
     a_layers = sp.expand(a_all - a_out)
     chunk_out = v - 1 if r == p - 1 and r != 0 else 0
     # the last stage's losses in flight too, each referenced until its backward
