@@ -235,7 +235,6 @@ class _Walk:
         self.points: list[Point] = []
         self.requirements: list = []
         self.saved_at_end_of_forward = ZERO
-        self.outside = self.outside_at_end_of_forward = ZERO    # saved outside every block
 
     def run(self, ops):
         i = 0
@@ -245,11 +244,7 @@ class _Walk:
                 copies, i = self._occurrence(ops, i)
                 self._block(op[1], op[3], copies)
                 continue
-            before = self.saved
             self._apply(op, "")
-            self.outside += self.saved - before
-            if op[0] == "end of forward":
-                self.outside_at_end_of_forward = self.outside
             i += 1
 
     def _apply(self, op, label, out=None):
@@ -392,9 +387,18 @@ class _Walk:
 
 
 class _Saved(_Walk):
-    """A walk that keeps the bytes saved for backward only: no points, no checks."""
+    """A walk that keeps the bytes saved for backward only, and of them those saved outside
+    every block (an op applied with no iteration label): no points, no checks."""
+
+    def __init__(self):
+        super().__init__()
+        self.outside = self.outside_at_end_of_forward = ZERO
 
     def _apply(self, op, label, out=None):
+        if op[0] == "alloc" and not label:
+            self.outside += op[4]
+        elif op[0] == "end of forward":
+            self.outside_at_end_of_forward = self.outside
         if op[0] != "mark":
             super()._apply(op, label, out)
 

@@ -493,9 +493,15 @@ def training_step(
         torch.cuda.synchronize(device)
         cuda_max = torch.cuda.max_memory_allocated(device)
 
+    return _step_report(tracker, at_start, cuda_max)
+
+
+def _step_report(tracker: "_LiveTracker", at_start: int, cuda_max: int | None) -> StepReport:
+    """The tracked step: its peak (the first sample at it) and each phase's maximum."""
     timeline = tuple(tracker.samples)
-    top = max(timeline, key=lambda s: s.live_bytes)  # the first sample at the peak
-    phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES}
+    top = max(timeline, key=lambda s: s.live_bytes)
+    phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES
+                   if any(s.phase == ph for s in timeline)}
     return StepReport(top.live_bytes, top.phase, top.op, timeline, at_start, phase_peaks,
                       cuda_max, top.micro)
 
@@ -538,11 +544,7 @@ def schedule_step(
         tracker.sample("<start>")
         optimizer.step()
         tracker.sample("<end>")
-    timeline = tuple(tracker.samples)
-    top = max(timeline, key=lambda s: s.live_bytes)
-    phase_peaks = {ph: max(s.live_bytes for s in timeline if s.phase == ph) for ph in _PHASES
-                   if any(s.phase == ph for s in timeline)}
-    return StepReport(top.live_bytes, top.phase, top.op, timeline, at_start, phase_peaks, None, top.micro)
+    return _step_report(tracker, at_start, None)
 
 
 def plain_step(

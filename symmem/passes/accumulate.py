@@ -36,7 +36,10 @@ import sympy as sp
 from ..graph import Repeat
 from ..plan import LOOP, Alloc, Backward, Compute, Free, Hold, Key, Mark, MicroBatch, Plan, Release
 
-__all__ = ["prepare", "apply", "loss_holder"]
+__all__ = ["prepare", "apply", "loss_holder", "SCALED_LOSS"]
+
+#: The node of the loss divided by K (the training loop's division).
+SCALED_LOSS = "loss / K"
 
 
 def prepare(graph, policy):
@@ -66,7 +69,7 @@ def loss_holder(label: str) -> str:
     return f"{LOOP} (loss of micro-batch {label})"
 
 
-_K = Key("scalar", "loss / K:K")
+_K = Key("scalar", f"{SCALED_LOSS}:K")
 _DIVISION = "the division's backward"
 
 
@@ -77,12 +80,12 @@ def _forward(plan: Plan, label: str, labels: list, cpu: bool) -> tuple:
     out = [replace(e, holds=tuple(h for h in e.holds if h.holder != LOOP)) if isinstance(e, Compute) else e
            for e in plan.forward]
     nbytes = next(e.out_bytes for e in plan.forward if isinstance(e, Compute) and e.out == plan.loss)
-    scaled = Key("value", "loss / K")
+    scaled = Key("value", SCALED_LOSS)
     new, holds = (), (Hold(scaled, loss_holder(label)),)
     if cpu:       # DivBackward0 saves K, wrapped in a 0-dim float64 tensor (on the host under CUDA);
         # the loop's, not among the model's activations
         new, holds = ((_K, sp.Integer(8)),), holds + (Hold(_K, _DIVISION),)
-    out.append(Compute("loss / K", scaled, nbytes, new=new, reads=(plan.loss,), holds=holds))
+    out.append(Compute(SCALED_LOSS, scaled, nbytes, new=new, reads=(plan.loss,), holds=holds))
     if label != labels[0]:
         out.append(Release(loss_holder(labels[labels.index(label) - 1])))
     return tuple(out)
@@ -95,9 +98,9 @@ def _backward(plan: Plan, later: bool) -> tuple:
     after the last node that contributes to it."""
     events = list(plan.backward)
     first = events[0]                         # the loss's gradient, held to the end by lowering
-    scaled = Key("vgrad", "loss / K")
+    scaled = Key("vgrad", SCALED_LOSS)
     events[0] = Alloc(scaled, first.nbytes, "transient")
-    events.insert(1, Backward("loss / K", 0, (first, Mark("backward", "loss / K", ()), Release(_DIVISION))))
+    events.insert(1, Backward(SCALED_LOSS, 0, (first, Mark("backward", SCALED_LOSS, ()), Release(_DIVISION))))
     end = events.pop()                        # the Free of the loss's gradient, held to the end ...
     events.append(Free(scaled, first.nbytes, "transient"))
     loss_group = next(j for j, e in enumerate(events) if isinstance(e, Backward) and e.node == plan.loss.name)

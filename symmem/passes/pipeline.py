@@ -44,8 +44,9 @@ from ..counter import saved
 from ..errors import ConfigError
 from ..graph import Node, Repeat
 from ..plan import LOOP, Alloc, Compute, Free, Key, Plan, Release
-from .accumulate import loss_holder
+from .accumulate import SCALED_LOSS, loss_holder
 from ..requirements import Requirement
+from ..symbols import symbol
 
 __all__ = ["prepare", "apply", "stage_graph", "in_flight", "active"]
 
@@ -80,48 +81,42 @@ def in_flight(schedule: str, p: int, v: int, m: int, r: int) -> tuple[tuple, boo
     return tuple(counts), steady
 
 
-def _blocks(graph) -> list[int]:
-    return [i for i, item in enumerate(graph.items) if isinstance(item, Repeat)]
-
-
 def stage_graph(graph, par, r: int):
     """Rank ``r``'s part of ``graph``: ``L / p`` of the layers of its one repeated block, the
     nodes before the block on the first stage (the input the block carries received
     elsewhere), the nodes after it on the last."""
     p = par.pp
-    blocks = _blocks(graph)
+    blocks = graph.repeats()
     if len(blocks) != 1:
         raise ConfigError("pp", p, f"1 for {graph.name}: stages are cut from one repeated block of layers "
                           f"and it has {len(blocks)}", "Leave --pp out (encoder-decoder and convolutional "
                           "networks are not split into pipeline stages yet).")
-    i = blocks[0]
-    rep = graph.items[i]
+    rep = blocks[0]
+    i = graph.items.index(rep)
     if rep.layer_attrs:
         raise ConfigError("pp", p, f"1 for {graph.name}: its layers differ by range "
                           f"({', '.join(sorted({k for _, _, at in rep.layer_attrs for k, _ in at}))}), "
                           "which stages would cut", "Leave --pp out.")
     layers = p * par.virtual_stages
     count = sp.sympify(rep.count)
-    n = sp.sympify(count.xreplace({sp.Symbol(k) if isinstance(k, str) else k: v
-                                   for k, v in graph.bindings.items()}))
+    n = sp.sympify(count.xreplace({symbol(k) if isinstance(k, str) else k: v for k, v in graph.bindings.items()}))
     if n.is_Integer and (n < layers or n % layers):
         what = "pipeline stages" if par.virtual_stages == 1 else "pipeline stages times virtual stages"
-        fits = [d for d in range(1, int(n) + 1) if n % (d * par.virtual_stages) == 0]
+        fits = [d for d in range(1, p + 1) if n % (d * par.virtual_stages) == 0]
         raise ConfigError("pp", p, f"a divisor of the {n} layers of {graph.name} ({what}: {layers})",
                           "Each chunk of a stage holds the same whole number of layers; "
-                          + (f"take --pp {max(d for d in fits if d <= p) if any(d <= p for d in fits) else fits[0]}."
-                             if fits else "take --virtual-stages dividing the layers."))
+                          + (f"take --pp {fits[-1]}." if fits else "take --virtual-stages dividing the layers."))
     first, last = r == 0, r == p - 1
     block = replace(rep, count=sp.expand(count / p))
     items = list(graph.items[:i]) if first else _received(graph.items[:i], rep, middle=not last)
     items.append(block)
     if last:
         items += graph.items[i + 1:]
-    items = _live(items, graph.items[i + 1:] if last else ())
+    items = _live(items, {n.name for n in graph.items[i + 1:]} if last else set())
     g = graph._copy(items)
     kept = {x for item in items for x in _names(item)}
-    g._params = {k: v for k, v in graph._params.items() if any(k == q.name for item in items
-                                                                 for q in _params(item))}
+    used = {q.name for item in items for q in _params(item)}
+    g._params = {k: v for k, v in graph._params.items() if k in used}
     g.outputs = tuple(o for o in graph.outputs if o in kept) if last else (rep.name,)
     # what the model's code keeps until a node after the block: until the block returns where
     # that node is on a later stage
@@ -149,18 +144,19 @@ def _received(pre: list, rep: Repeat, middle: bool) -> list:
     return out
 
 
-def _live(items: list, after) -> list:
-    """``items`` without the nodes before the block that nothing kept reads (the model's
-    buffers stay: every stage's copy of the model has them)."""
+def _live(items: list, after: set) -> list:
+    """``items`` without the nodes before the block that nothing kept reads (``after``: the
+    names of the nodes after it, kept; the model's buffers stay: every stage's copy of the
+    model has them)."""
     needed = set()
     for item in items:
         if isinstance(item, Repeat):
             needed |= set(item.externals) | set(item.carried)
-        elif item in after:
+        elif item.name in after:
             needed |= set(item.inputs)
     out = []
     for item in reversed(items):
-        if (isinstance(item, Node) and item not in after and item.name not in needed
+        if (isinstance(item, Node) and item.name not in after and item.name not in needed
                 and not (item.op == "input" and item.attr("buffer"))):
             continue
         if isinstance(item, Node):
@@ -198,7 +194,7 @@ def apply(plan: Plan, graph, policy) -> Plan:
     chunk_out = v - 1 if r == p - 1 and r != 0 else 0
     # the last stage's losses in flight too, each referenced until its backward
     loss = next((e.out_bytes + sum(n for _, n in e.new) for e in plan.forward
-                 if isinstance(e, Compute) and e.node == "loss / K"), 0)
+                 if isinstance(e, Compute) and e.node == SCALED_LOSS), 0)
     a_out = a_out + (loss if r == p - 1 else 0)
     a_all = a_all + (loss if r == p - 1 else 0)
     held = sp.expand(sum(((c - 1) * a_layers / v for c in counts), sp.Integer(0))

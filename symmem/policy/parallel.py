@@ -136,7 +136,7 @@ class Parallel:
             raise ConfigError("offload", off, "parameters sharded: --zero 3 or --fsdp full|hybrid",
                               f"DeepSpeed offloads parameters with ZeRO-3 only (zero={z}, fsdp={fsdp}); "
                               "--offload optimizer works from stage 1.")
-        for name, low in (("reduce_bucket", 0), ("prefetch", 0)):
+        for name, low in (("reduce_bucket", 0), ("prefetch", 0), ("virtual_stages", 1), ("microbatches", 1)):
             v = getattr(self, name)
             if isinstance(v, str) and v.strip().isdigit():
                 v = int(v)
@@ -172,13 +172,6 @@ class Parallel:
             raise ConfigError("schedule", self.schedule, f"one of {', '.join(SCHEDULES)}",
                               "1f1b is Megatron's default; interleaved needs --virtual-stages 2 or more.")
         object.__setattr__(self, "schedule", schedule)
-        for name in ("virtual_stages", "microbatches"):
-            v = getattr(self, name)
-            if isinstance(v, str) and v.strip().isdigit():
-                v = int(v)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(name, v, "a whole number >= 1")
-            object.__setattr__(self, name, v)
         p, v, m = self.pp, self.virtual_stages, self.microbatches
         if p == 1 and (schedule != "1f1b" or v != 1 or m != 1):
             raise ConfigError("pp", p, "2 or more pipeline stages for a schedule, virtual stages or micro-batches",
