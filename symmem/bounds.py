@@ -19,7 +19,7 @@ from sympy.core import basic as _basic
 from .symbols import DIMENSIONS
 
 __all__ = ["provably_nonneg", "monomials", "shifted_coeffs", "dominates", "prune", "samples",
-           "terms", "substitute", "terms_nonneg", "terms_samples", "product", "total", "sum_of",
+           "terms", "substitute", "terms_nonneg", "terms_samples", "covers", "product", "total", "sum_of",
            "merged_terms", "prune_terms", "sort_key"]
 
 
@@ -417,32 +417,49 @@ def terms_nonneg(d: dict) -> bool:
 
 
 def terms_samples(ds: list) -> list[tuple]:
-    """:func:`samples` of the sums :func:`terms` ``ds`` stand for: the same points (over the
-    sorted union of their symbols), the same exact values."""
+    """The values of the sums :func:`terms` ``ds`` stand for at :func:`samples`' points (over
+    the sorted union of their symbols), in floating point: a filter for :func:`covers`, never
+    a proof (that is :func:`terms_nonneg`'s, exact)."""
     gens = sorted(set().union(*map(_symbols, ds)), key=str)
     points = [dict(zip(gens, f(len(gens)))) for f in _POINTS]
     atoms: dict = {}
 
-    def value(base, point, i):
+    def value(base, point, i) -> float:
         if base.is_Symbol:
-            return point[base]
+            return float(point[base])
         if (base, i) not in atoms:
-            v = base.xreplace({g: sp.Integer(v) for g, v in point.items()})
-            atoms[base, i] = int(v) if v.is_Integer else Fraction(int(v.p), int(v.q)) if v.is_Rational else v
+            atoms[base, i] = float(base.xreplace({g: sp.Integer(v) for g, v in point.items()}))
         return atoms[base, i]
 
-    monos: dict = {}              # (key, point) -> the product's value there
+    monos: dict = {}              # key -> the product's value at each point
 
-    def mono(key, i):
-        if (key, i) not in monos:
-            v = 1
-            for base, ex in key:
-                x = value(base, points[i], i)
-                v = v * x ** ex if ex > 0 else (Fraction(v, x ** -ex) if isinstance(x, int) else v / x ** -ex)
-            monos[key, i] = v
-        return monos[key, i]
+    def mono(key) -> list:
+        if key not in monos:
+            vs = []
+            for i, point in enumerate(points):
+                v = 1.0
+                for base, ex in key:
+                    v *= value(base, point, i) ** ex
+                vs.append(v)
+            monos[key] = vs
+        return monos[key]
 
-    return [tuple(sum(c * mono(key, i) for key, c in d.items()) for i in range(len(points))) for d in ds]
+    out = []
+    for d in ds:
+        sums = [0.0] * len(points)
+        for key, c in d.items():
+            c = float(c)
+            for i, v in enumerate(mono(key)):
+                sums[i] += c * v
+        out.append(tuple(sums))
+    return out
+
+
+def covers(xs: tuple, ys: tuple) -> bool:
+    """Can the sum sampled as ``xs`` be at least the one sampled as ``ys`` (:func:`terms_samples`)?
+    False only where it is clearly smaller at some point: a tolerance far above the floats'
+    rounding keeps every pair that is equal or larger (the exact proof decides)."""
+    return all(x >= y - 1e-9 * (abs(x) + abs(y)) for x, y in zip(xs, ys))
 
 
 def merged_terms(parts) -> dict | None:

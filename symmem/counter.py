@@ -27,7 +27,7 @@ from functools import cached_property
 
 import sympy as sp
 
-from .bounds import merged_terms, provably_nonneg, samples, substitute, sum_of, terms_nonneg, terms_samples
+from .bounds import covers, merged_terms, provably_nonneg, samples, substitute, sum_of, terms_nonneg, terms_samples
 from .requirements import Requirement
 from .plan import (AUTOGRAD, CHECKPOINT, ROLES, Alloc, Begin, Compute, End, Free, Mark, Plan,
                    Release, flat)
@@ -437,7 +437,7 @@ def _harmless_terms(x, slope, shift, c: int, walked, mine, every: dict) -> bool 
         for p in mine:
             same = [q for q in real if q.phase == p.phase and q.node == p.node]
             others = [q for q in real if q.phase == p.phase and q not in same]
-            tries = [q for q in same + others if all(x >= y for x, y in zip(sample[id(q)], sample[id(p)]))]
+            tries = [q for q in same + others if covers(sample[id(q)], sample[id(p)])]
             if not any(terms_nonneg(_minus(value[id(q)], value[id(p)])) for q in tries):
                 return False
     return True

@@ -18,7 +18,7 @@ from .errors import ConfigError
 from .graph import Graph
 from .policy import Policy
 from .policy.attention import resolve
-from .bounds import (merged_terms, monomials, product, provably_nonneg, prune, prune_terms, terms, terms_nonneg,
+from .bounds import (covers, merged_terms, monomials, product, provably_nonneg, prune, prune_terms, terms, terms_nonneg,
                      terms_samples, total)
 from .counter import Point, Timeline, count
 from . import exact, passes
@@ -715,7 +715,7 @@ def _across_stages(ranks) -> list:
             same.setdefault(key(p), []).append(p)
 
     def exceeds(q, p) -> bool:
-        if not all(x >= y for x, y in zip(values[id(q)], values[id(p)])):
+        if not covers(values[id(q)], values[id(p)]):
             return False          # smaller somewhere: not provably larger
         tq, tp = sums[id(q)], sums[id(p)]
         diff = dict(tq)
@@ -754,7 +754,12 @@ class CompiledEstimate:
     @cached_property
     def totals(self) -> list:
         """The candidates of the peak, in the order of :attr:`Estimate.points`."""
-        return [exact.compile(t, self.bindings) for t in self.est.totals]
+        out = []
+        for i, p in enumerate(self.est.points):
+            d = merged_terms([e for _, e in p.parts])
+            out.append(exact.compile(self.est.totals[i], self.bindings) if d is None
+                       else exact.compile_terms(d, self.bindings))
+        return out
 
     def parts(self, i: int) -> list:
         """The roles' bytes of candidate ``i``: [(role, function), ...]."""

@@ -17,9 +17,9 @@ from fractions import Fraction
 
 import sympy as sp
 
-from .bounds import terms as _read_terms
+from .bounds import _expr, terms as _read_terms
 
-__all__ = ["Compiled", "compile", "number"]
+__all__ = ["Compiled", "compile", "compile_terms", "number"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,44 @@ def compile(expr, bindings: dict) -> Compiled:
             exps[index[base]] += int(ex)
         out.append((tuple(exps), c))
     return Compiled(e, gens, tuple(out))
+
+
+def compile_terms(d: dict, bindings: dict) -> Compiled:
+    """:func:`compile` of the sum :func:`~symmem.bounds.terms` ``d`` stands for, its bound
+    symbols multiplied into the coefficients without expanding an expression. A factor other
+    than a symbol (a ceiling) is bound too; one that keeps a free symbol (``ceiling(s/128)``)
+    leaves the result to sympy's path (``terms`` None), as :func:`compile` does."""
+    bound = {k: number(v) for k, v in bindings.items()}
+    merged: dict = {}
+    atoms = False
+    for key, c in d.items():
+        rest = []
+        for base, ex in key:
+            if not base.is_Symbol and base not in bound:    # an atom: a number once its symbols are bound
+                x = base.xreplace(bindings)
+                bound[base] = number(x) if x.is_Rational else x
+            x = bound.get(base)
+            if x is None or isinstance(x, sp.Basic):
+                rest.append((base if x is None else x, ex))
+                atoms = atoms or x is not None
+            else:
+                c = c * x ** ex if ex > 0 else Fraction(c) / x ** -ex
+        rest = frozenset(rest)
+        merged[rest] = merged.get(rest, 0) + c
+    merged = {k: (int(c) if isinstance(c, Fraction) and c.denominator == 1 else c)
+              for k, c in merged.items() if c != 0}
+    expr = _expr(merged)
+    if atoms:
+        return Compiled(expr, tuple(sorted(expr.free_symbols, key=str)), None)
+    gens = tuple(sorted({base for key in merged for base, _ in key}, key=str))
+    index = {g: i for i, g in enumerate(gens)}
+    out = []
+    for key, c in merged.items():
+        exps = [0] * len(gens)
+        for base, ex in key:
+            exps[index[base]] += int(ex)
+        out.append((tuple(exps), c))
+    return Compiled(expr, gens, tuple(out))
 
 
 def number(v):
