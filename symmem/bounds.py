@@ -88,17 +88,24 @@ def _polynomial(e, gens) -> dict | None:
 def shifted_coeffs(poly: dict, gens) -> dict:
     """The coefficients of a polynomial (:func:`monomials`) rewritten in (x - 1) for each
     dimension x, the byte prices left as they are. All of them >= 0 proves it >= 0."""
-    shifted = [i for i, g in enumerate(gens) if g in DIMENSIONS]
+    shifted = tuple(i for i, g in enumerate(gens) if g in DIMENSIONS)
     out: dict = {}
     for mono, c in poly.items():
-        # x^e = ((x - 1) + 1)^e = sum_j C(e, j) (x - 1)^j, for each dimension x
-        terms = [(mono, c)]
-        for i in shifted:
-            if mono[i]:
-                terms = [(m[:i] + (j,) + m[i + 1:], v * comb(m[i], j)) for m, v in terms for j in range(m[i] + 1)]
-        for m, v in terms:
-            out[m] = out.get(m, 0) + v
+        for m, v in _expansion(mono, shifted):
+            out[m] = out.get(m, 0) + c * v
     return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _expansion(mono: tuple, shifted: tuple) -> tuple:
+    """``mono`` in (x - 1) for the variables at ``shifted``: x^e = ((x - 1) + 1)^e = sum_j
+    C(e, j) (x - 1)^j, each ((exponents), binomial product). Kept: the points of a step share
+    most of their monomials."""
+    terms = [(mono, 1)]
+    for i in shifted:
+        if mono[i]:
+            terms = [(m[:i] + (j,) + m[i + 1:], v * comb(m[i], j)) for m, v in terms for j in range(m[i] + 1)]
+    return tuple(terms)
 
 
 def dominates(cj: dict, ci: dict) -> bool:
@@ -157,27 +164,43 @@ def prune(exprs: list) -> list[int]:
 
 
 def prune_terms(ds: list) -> list[int] | None:
-    """:func:`prune` of the sums whose :func:`terms` are ``ds`` (None where one is None):
-    a sum with an atom or a negative exponent is not a polynomial, as :func:`prune` finds."""
+    """:func:`prune` of the sums whose :func:`terms` are ``ds`` (None where one is None).
+    Each ceiling of a positive argument (a tiled kernel's ``ceiling(s/128)``) is a variable
+    of its own, at least 1 as every symbol is: a sum that dominates another for every value
+    of them does at the ceilings' values too. A negative exponent (``h/a``) is cleared by
+    multiplying every sum by the same positive monomial, which keeps which dominates which.
+    A sum with another atom is kept and dominates none, as :func:`prune` does."""
     if any(d is None for d in ds):
         return None
-    gens = sorted(set().union(*map(_symbols, ds)), key=str)
+    bases = {base for d in ds for key in d for base, _ in key}
+    gens = sorted((x for x in bases if x.is_Symbol or _at_least_one(x)), key=str)
     index = {g: i for i, g in enumerate(gens)}
+    low = [0] * len(gens)
+    for d in ds:
+        for key in d:
+            for base, ex in key:
+                if base in index and ex < low[index[base]]:
+                    low[index[base]] = ex
     polys = []
     for d in ds:
         poly: dict | None = {}
         for key, c in d.items():
-            exps = [0] * len(gens)
+            exps = [-x for x in low]
             for base, ex in key:
-                if not base.is_Symbol or ex < 0:
+                if base not in index:
                     poly = None
                     break
-                exps[index[base]] = ex
+                exps[index[base]] += ex
             if poly is None:
                 break
             poly[tuple(exps)] = c
         polys.append(poly)
     return _prune(polys, gens)
+
+
+def _at_least_one(atom) -> bool:
+    """Is ``atom`` a ceiling of a positive argument (so at least 1)?"""
+    return isinstance(atom, sp.ceiling) and bool(atom.args[0].is_positive)
 
 
 def _prune(polys: list, gens) -> list[int]:
@@ -227,18 +250,18 @@ def _prune_matrix(polys: list, gens) -> list[int] | None:
     comparable = [i for i, q in enumerate(polys) if q is not None]
     if len(comparable) < 2:
         return None
-    coeffs = [shifted_coeffs(polys[i], gens) for i in comparable]
-    monos = {m: k for k, m in enumerate(dict.fromkeys(m for c in coeffs for m in c))}
-    den = 1
-    for c in coeffs:
-        for v in c.values():
+    den = 1             # whole coefficients first: shifting integers is far faster than fractions
+    for i in comparable:
+        for v in polys[i].values():
             if not isinstance(v, int):
                 den = lcm(den, v.denominator)
+    coeffs = [shifted_coeffs({m: int(v * den) for m, v in polys[i].items()} if den != 1 else polys[i], gens)
+              for i in comparable]
+    monos = {m: k for k, m in enumerate(dict.fromkeys(m for c in coeffs for m in c))}
     limit = 1 << 62
     table = np.zeros((len(coeffs), len(monos)), dtype=np.int64)
     for r, c in enumerate(coeffs):
         for m, v in c.items():
-            v = int(v * den)
             if not -limit < v < limit:
                 return None
             table[r, monos[m]] = v
