@@ -3,16 +3,23 @@
 :func:`fit` takes a model, a budget (a GPU of the catalog, or bytes), a sequence length and a
 global batch, and tries every layout symmem models: GPU counts 1, 2, 4, ... up to
 ``max_gpus``; Megatron's tensor parallelism with sequence parallelism over ``tp`` = 1, 2, 4, 8
-(within a node of eight) and the rest data-parallel, ``dp = gpus / tp``; DDP, ZeRO 1-3 and
-FSDP full sharding (with ``tp`` = 1: ZeRO with tensor parallelism is not modelled yet); no
-recomputation, selective or full; and the largest micro-batch ``b`` dividing ``global_batch /
-dp`` whose step fits, with ``global_batch / (dp * b)`` micro-batches accumulated (ZeRO 2 and 3
-accumulate none: not modelled yet, so ``b = global_batch / dp`` there; FSDP likewise).
+(within a node of eight); pipeline stages ``pp`` = 1, 2, 4, ... up to ``max_pp`` that divide
+the layers, 1F1B (Megatron's default schedule); the rest data-parallel, ``dp = gpus / (tp *
+pp)``; DDP, ZeRO 1-3 and FSDP full sharding (with ``tp`` = 1: ZeRO with tensor parallelism is
+not modelled yet; beside a pipeline DDP and ZeRO-1 only, as Megatron and DeepSpeed's pipeline
+engine allow); no recomputation, selective or full; and the largest micro-batch ``b`` dividing
+``global_batch / dp`` whose step fits, with ``k = global_batch / (dp * b)`` micro-batches
+accumulated (ZeRO 2 and 3 accumulate none: not modelled yet, so ``b = global_batch / dp``
+there; FSDP likewise) or, under a pipeline, run through it (``k >= pp``: fewer micro-batches
+than stages leave stages idle).
 
 Each layout's peak is exact (:meth:`symmem.engine.Estimate.at`): one derivation per kind of
 layout, with the degrees ``d`` and ``t`` and the batch left as symbols, evaluated for every
 count. Accumulating ``k >= 2`` micro-batches peaks as two do (the later micro-batches are
-alike: each runs beside the gradients the first left), so ``accumulate=2`` stands for all.
+alike: each runs beside the gradients the first left), so ``accumulate=2`` stands for all; a
+1F1B pipeline with ``k >= pp + 1`` micro-batches peaks as with ``pp + 1`` (the first stage's
+last warm-up forwards run beside the first backward's gradients from ``pp + 1`` on; ``k = pp``
+is derived on its own).
 """
 from __future__ import annotations
 
@@ -24,21 +31,23 @@ from .gpus import as_budget
 from .policy import Policy
 from .units import format_bytes
 
-__all__ = ["Layout", "fit", "table", "SHARDINGS", "RECOMPUTE"]
+__all__ = ["Layout", "fit", "table", "SHARDINGS", "RECOMPUTE", "TENSOR"]
 
 #: Data-parallel sharding tried, as Parallel fields: DDP, ZeRO 1-3, FSDP full shard.
 SHARDINGS = (("ddp", {}), ("zero-1", {"zero": 1}), ("zero-2", {"zero": 2}), ("zero-3", {"zero": 3}),
              ("fsdp-full", {"fsdp": "full"}))
 RECOMPUTE = ("none", "selective", "full")
 TENSOR = (1, 2, 4, 8)
+#: What a pipeline allows beside it (:func:`symmem.policy.Policy` refuses ZeRO 2-3 and FSDP).
+_PIPELINE_SHARDINGS = ("ddp", "zero-1")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout that fits: ``gpus = dp * tp``; ``sharding`` one of :data:`SHARDINGS`' names
-    ("none" on one data-parallel rank);
-    ``micro_batch`` b and ``accumulate`` k with ``dp * b * k`` the global batch; ``peak`` the
-    most loaded rank's exact bytes (all ranks are alike here), ``usable`` the budget's."""
+    """One layout that fits: ``gpus = dp * tp * pp``; ``sharding`` one of :data:`SHARDINGS`'
+    names ("none" on one data-parallel rank); ``micro_batch`` b and ``accumulate`` k with ``dp
+    * b * k`` the global batch (under a pipeline, k is its micro-batches per step); ``peak``
+    the most loaded rank's exact bytes, ``usable`` the budget's."""
     gpus: int
     dp: int
     tp: int
@@ -50,6 +59,7 @@ class Layout:
     peak: int
     usable: int
     bytes: dict
+    pp: int = 1
 
     @property
     def headroom(self) -> int:
@@ -59,10 +69,12 @@ class Layout:
     def parallel(self) -> str:
         """The layout as ``--parallel`` takes it."""
         return _spec({"dp": self.dp, **dict(SHARDINGS).get(self.sharding, {}),
-                      **({"tp": self.tp, "sp": True} if self.tp > 1 else {})})
+                      **({"tp": self.tp, "sp": True} if self.tp > 1 else {}),
+                      **({"pp": self.pp, "microbatches": self.accumulate} if self.pp > 1 else {})})
 
     def as_dict(self) -> dict:
-        return {"gpus": self.gpus, "dp": self.dp, "tp": self.tp, "sp": self.sp, "zero": _zero(self.sharding),
+        return {"gpus": self.gpus, "dp": self.dp, "tp": self.tp, "sp": self.sp, "pp": self.pp,
+                "schedule": "1f1b" if self.pp > 1 else None, "zero": _zero(self.sharding),
                 "fsdp": "full" if self.sharding == "fsdp-full" else None, "recompute": self.recompute,
                 "micro_batch": self.micro_batch, "accumulate": self.accumulate, "parallel": self.parallel,
                 "peak": self.peak, "headroom": self.headroom, "bytes": dict(self.bytes)}
@@ -73,40 +85,51 @@ def _zero(sharding: str) -> int:
 
 
 def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mixed",
-        optimizer: str = "adamw", device: str = "cuda", max_gpus: int = 64, reserve=None,
+        optimizer: str = "adamw", device: str = "cuda", max_gpus: int = 64, max_pp: int = 8, reserve=None,
         derive=estimate) -> list[Layout]:
     """Every layout of the module docstring that fits ``budget`` (minus ``reserve``: symmem's
-    10% rule by default), fewest GPUs first, then the lowest peak. ``derive(graph, policy)``
-    makes the estimates (the command line passes the cached one)."""
-    for name, v in (("seq", seq), ("global batch", global_batch), ("max gpus", max_gpus)):
+    10% rule by default), fewest GPUs first, then the lowest peak. ``max_pp``: the most
+    pipeline stages tried (1: none). ``derive(graph, policy)`` makes the estimates (the command
+    line passes the cached one)."""
+    for name, v in (("seq", seq), ("global batch", global_batch), ("max gpus", max_gpus), ("max pp", max_pp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(name, v, "a positive integer")
     bud = as_budget(budget, reserve)
     counts = [n for n in (2 ** i for i in range(max_gpus.bit_length())) if n <= max_gpus]
     kinds: dict = {}
 
-    def est(tp: bool, sharding: str, recompute: str, accumulate: int, one_rank: bool) -> Estimate:
-        key = (tp, sharding, recompute, accumulate, one_rank)
-        if key not in kinds:       # one data-parallel rank: no DDP buckets, nothing sharded
+    def est(kind: tuple) -> Estimate | None:
+        """The estimate of a kind of layout (tp > 1, sharding, recompute, accumulate, one
+        data-parallel rank, pp, micro-batches); None where the model refuses it (the stages do
+        not divide its layers)."""
+        if kind not in kinds:       # one data-parallel rank: no DDP buckets, nothing sharded
+            tp, sharding, recompute, accumulate, one_rank, pp, m = kind
             data = {} if one_rank else {"dp": "d", **dict(SHARDINGS)[sharding]}
-            par = {**data, **({"tp": "t", "sp": True} if tp else {})} or {"dp": 1}
-            kinds[key] = derive(graph, Policy(precision, optimizer, device, recompute=recompute,
-                                              accumulate=accumulate, parallel=_spec(par)))
-        return kinds[key]
+            par = {**data, **({"tp": "t", "sp": True} if tp else {}),
+                   **({"pp": pp, "microbatches": m} if pp > 1 else {})} or {"dp": 1}
+            try:
+                kinds[kind] = derive(graph, Policy(precision, optimizer, device, recompute=recompute,
+                                                   accumulate=accumulate, parallel=_spec(par)))
+            except ConfigError:
+                if pp == 1:
+                    raise
+                kinds[kind] = None
+        return kinds[kind]
 
     out = []
     for gpus in counts:
-        for tp in (x for x in TENSOR if gpus % x == 0):
-            dp = gpus // tp
-            if global_batch % dp:
-                continue
-            for sharding, fields in SHARDINGS:
-                if (tp > 1 and fields) or (dp == 1 and fields):     # ZeRO with tp; sharding one rank
+        for pp in (x for x in counts if x <= max_pp and gpus % x == 0):
+            for tp in (x for x in TENSOR if (gpus // pp) % x == 0):
+                dp = gpus // (tp * pp)
+                if global_batch % dp:
                     continue
-                for recompute in RECOMPUTE:
-                    layout = _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, sharding, recompute)
-                    if layout is not None:
-                        out.append(layout)
+                for sharding, fields in SHARDINGS:
+                    if (tp > 1 and fields) or (dp == 1 and fields) or (pp > 1 and sharding not in _PIPELINE_SHARDINGS):
+                        continue                # ZeRO with tp; sharding one rank; ZeRO 2-3 beside a pipeline
+                    for recompute in RECOMPUTE:
+                        layout = _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, sharding, recompute)
+                        if layout is not None:
+                            out.append(layout)
     return sorted(out, key=lambda x: (x.gpus, x.peak))
 
 
@@ -114,15 +137,21 @@ def _spec(fields: dict) -> str:
     return ",".join(f"{k}={1 if v is True else v}" for k, v in fields.items())
 
 
-def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, sharding, recompute) -> Layout | None:
+def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, sharding, recompute) -> Layout | None:
     """The largest micro-batch dividing ``global_batch / dp`` that fits (None if none does)."""
     per_rank = global_batch // dp
     no_accumulation = sharding in ("zero-2", "zero-3", "fsdp-full")
     for b in sorted((x for x in range(1, per_rank + 1) if per_rank % x == 0), reverse=True):
         k = per_rank // b
-        if k > 1 and no_accumulation:
+        if (k > 1 and no_accumulation) or k < pp:
             continue
-        e = est(tp > 1, sharding, recompute, 1 if k == 1 else 2, dp == 1)
+        if pp > 1:      # k micro-batches through the pipeline; pp + 1 stands for more
+            kind = (tp > 1, sharding, recompute, 1, dp == 1, pp, min(k, pp + 1))
+        else:
+            kind = (tp > 1, sharding, recompute, 1 if k == 1 else 2, dp == 1, 1, 1)
+        e = est(kind)
+        if e is None:
+            return None
         values = {"b": b, "s": seq, **({"d": dp} if dp > 1 else {}), **({"t": tp} if tp > 1 else {})}
         try:
             ev = e.at(**values)
@@ -130,16 +159,16 @@ def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, sharding, recomput
             return None
         if ev.peak <= bud.usable:
             name = "none" if dp == 1 else sharding
-            return Layout(gpus, dp, tp, tp > 1, name, recompute, b, k, ev.peak, bud.usable, dict(ev.bytes))
+            return Layout(gpus, dp, tp, tp > 1, name, recompute, b, k, ev.peak, bud.usable, dict(ev.bytes), pp=pp)
     return None
 
 
 def table(layouts: list[Layout]) -> str:
     """The layouts as the command line prints them."""
-    head = (f"{'gpus':>5} {'dp':>4} {'tp':>3}  {'sharding':<10} {'recompute':<10} {'b':>4} {'k':>4}"
+    head = (f"{'gpus':>5} {'dp':>4} {'tp':>3} {'pp':>3}  {'sharding':<10} {'recompute':<10} {'b':>4} {'k':>4}"
             f"  {'peak':>11}  {'headroom':>11}")
     rows = [head]
     for x in layouts:
-        rows.append(f"{x.gpus:>5} {x.dp:>4} {x.tp:>3}  {x.sharding:<10} {x.recompute:<10} {x.micro_batch:>4} "
-                    f"{x.accumulate:>4}  {format_bytes(x.peak):>11}  {format_bytes(x.headroom):>11}")
+        rows.append(f"{x.gpus:>5} {x.dp:>4} {x.tp:>3} {x.pp:>3}  {x.sharding:<10} {x.recompute:<10} "
+                    f"{x.micro_batch:>4} {x.accumulate:>4}  {format_bytes(x.peak):>11}  {format_bytes(x.headroom):>11}")
     return "\n".join(rows)

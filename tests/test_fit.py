@@ -12,30 +12,40 @@ from symmem.gpus import budget
 
 @pytest.fixture(scope="module")
 def gpt2_layouts():
-    # GPT-2 small, s = 1024, 64 sequences a step, on 16 GiB - 10%, up to 2 GPUs
-    return fit(sm.models.preset("gpt2"), budget(bytes="16GiB"), 1024, 64, max_gpus=2)
+    # GPT-2 small, s = 1024, 64 sequences a step, on 16 GiB - 10%, up to 2 GPUs (pp = 2: 12 layers, 6 a stage)
+    return fit(sm.models.preset("gpt2"), budget(bytes="16GiB"), 1024, 64, max_gpus=2, max_pp=2)
 
 
 def _sample(layouts):
-    """The first layout of each (gpus, sharding): every kind of estimate fit derives, checked
-    with a derivation of its own (the layout's numbers, not fit's symbols d and t)."""
+    """The first layout of each (gpus, sharding, pp): every kind of estimate fit derives,
+    checked with a derivation of its own (the layout's numbers, not fit's symbols d and t,
+    and its own micro-batch count, not the 2 or pp + 1 that stood for it)."""
     seen, out = set(), []
     for x in layouts:
-        if (x.gpus, x.sharding) not in seen:
-            seen.add((x.gpus, x.sharding))
+        if (x.gpus, x.sharding, x.pp) not in seen:
+            seen.add((x.gpus, x.sharding, x.pp))
             out.append(x)
     return out
 
 
+def _policy(x, b: int):
+    """The layout ``x`` at micro-batch ``b`` (the rest of its rank's share accumulated, or run
+    through its pipeline)."""
+    k = 64 // (x.dp * b)
+    parallel = x.parallel.replace(f"microbatches={x.accumulate}", f"microbatches={k}")
+    return sm.Policy("bf16-mixed", "adamw", "cuda", recompute=x.recompute,
+                     accumulate=1 if x.pp > 1 or k == 1 else 2, parallel=parallel)
+
+
 def test_each_layout_fits_and_is_its_estimate(gpt2_layouts):
     assert gpt2_layouts, "GPT-2 small trains on one 16 GiB device with a small enough micro-batch"
+    assert {x.pp for x in gpt2_layouts} == {1, 2}
     for x in gpt2_layouts:
-        assert x.gpus == x.dp * x.tp and x.dp * x.micro_batch * x.accumulate == 64
+        assert x.gpus == x.dp * x.tp * x.pp and x.dp * x.micro_batch * x.accumulate == 64
+        assert x.accumulate >= x.pp          # a pipeline runs at least one micro-batch a stage
     for x in _sample(gpt2_layouts):
-        pol = sm.Policy("bf16-mixed", "adamw", "cuda", recompute=x.recompute,
-                        accumulate=x.accumulate, parallel=x.parallel)
-        ev = sm.estimate(sm.models.preset("gpt2"), pol).at(b=x.micro_batch, s=1024)
-        assert ev.peak == x.peak <= x.usable     # accumulate = 2 stood for k >= 2: the same peak
+        ev = sm.estimate(sm.models.preset("gpt2"), _policy(x, x.micro_batch)).at(b=x.micro_batch, s=1024)
+        assert ev.peak == x.peak <= x.usable     # accumulate = 2 stood for k >= 2, pp + 1 for k > pp
 
 
 def test_largest_micro_batch_and_order(gpt2_layouts):
@@ -43,11 +53,24 @@ def test_largest_micro_batch_and_order(gpt2_layouts):
     assert keys == sorted(keys) and keys[0][0] == 1
     for x in _sample(gpt2_layouts):
         b2 = 2 * x.micro_batch                  # the next divisor of 64 / dp above b
-        if (64 // x.dp) % b2 or (x.sharding in ("zero-2", "zero-3", "fsdp-full")):
+        if (64 // x.dp) % b2 or (x.sharding in ("zero-2", "zero-3", "fsdp-full")) or 64 // (x.dp * b2) < x.pp:
             continue
-        pol = sm.Policy("bf16-mixed", "adamw", "cuda", recompute=x.recompute,
-                        accumulate=1 if b2 * x.dp == 64 else 2, parallel=x.parallel)
-        assert sm.estimate(sm.models.preset("gpt2"), pol).at(b=b2, s=1024).peak > x.usable
+        assert sm.estimate(sm.models.preset("gpt2"), _policy(x, b2)).at(b=b2, s=1024).peak > x.usable
+
+
+def test_pipeline_micro_batches_past_stages_plus_one_peak_alike():
+    # fit derives a 1F1B pipeline of p stages at m = p + 1 for every m > p: the first stage's
+    # last warm-up forward runs beside the first backward's gradients from m = p + 1 on (at m =
+    # p every forward precedes every backward); more micro-batches repeat the steady state.
+    graph = sm.models.from_hf_config({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                      "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100})
+
+    def peaks(m):
+        est = sm.estimate(graph, sm.Policy("bf16-mixed", "adamw", "cuda", parallel=f"pp=2,microbatches={m}"))
+        return [rank.at(b=2, s=16).peak for rank in est.ranks]
+    two, three = peaks(2), peaks(3)
+    assert three == peaks(5) == peaks(8)
+    assert two[0] < three[0] and two[1] == three[1]
 
 
 def test_cli_json_and_table(capsys):
@@ -56,11 +79,11 @@ def test_cli_json_and_table(capsys):
     j = json.loads(capsys.readouterr().out)
     first = j["layouts"][0]
     assert j["usable"] == 16 * 2**30 - 16 * 2**30 // 10 and first["gpus"] == 1
-    assert set(first) >= {"gpus", "dp", "tp", "zero", "recompute", "micro_batch", "bytes", "peak", "headroom"}
+    assert set(first) >= {"gpus", "dp", "tp", "pp", "zero", "recompute", "micro_batch", "bytes", "peak", "headroom"}
     assert main(["fit", "--model", "gpt2", "--budget", "16GiB", "--seq", "1024", "--global-batch", "64",
                  "--max-gpus", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[2].split() == ["gpus", "dp", "tp", "sharding", "recompute", "b", "k", "peak",
+    assert out.splitlines()[2].split() == ["gpus", "dp", "tp", "pp", "sharding", "recompute", "b", "k", "peak",
                                            "headroom"]
 
 
