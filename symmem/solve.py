@@ -156,6 +156,7 @@ class _Peak:
         self.x, self.polys, self.one = x, [], None
         if subs.get(b) == 1:            # b fixed at 1: the step derived for it
             est = est.at_one
+        self.est, self.free, self.known = est, None, None
         free = {x} | {k for k, v in subs.items() if est.bindings.get(k) != v}
         known = {k: number(v) for k, v in subs.items()}
         for f in est.compiled(free).totals:
@@ -177,6 +178,7 @@ class _Peak:
         if x == b and est.at_one is not est:      # b = 1: the step derived for it
             one = est.at_one.compiled(free).totals
             self.one = max(number(f({**known, b: 1})) for f in one)
+            self.free, self.known = free, known
         self.search = _frontier(self.polys)
 
     def _value(self, i: int, v: int):
@@ -193,8 +195,15 @@ class _Peak:
             return self.one
         return max(self._value(i, v) for i in self.search)
 
-    def binding(self, v: int) -> int:
-        return max(range(len(self.polys)), key=lambda i: self._value(i, v))
+    def binding(self, v: int):
+        """The candidate of the peak (a :class:`~symmem.counter.Point`) that is largest at ``v``:
+        at b = 1, one of the step derived for it."""
+        if v == 1 and self.one is not None:
+            one = self.est.at_one
+            totals = one.compiled(self.free).totals
+            i = max(range(len(totals)), key=lambda i: number(totals[i]({**self.known, self.x: 1})))
+            return one.points[i]
+        return self.est.points[max(range(len(self.polys)), key=lambda i: self._value(i, v))]
 
 
 def _frontier(polys: list) -> list:
@@ -253,7 +262,7 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=None, direction: str = 
         value = dom.value(k)
         if k == dom.last:               # the model's own limit, not memory, ends the search
             at_value = est.at(**fixed, **{symbol: value})
-            bind = est.points[peak.binding(value)]
+            bind = peak.binding(value)
             return Solution(symbol, direction, value, total, res, at_value, None, bind,
                             dict(fixed), limit=dom.why)
         step = dom.value(k + 1) if dom.last is None or k < dom.last else None
@@ -263,7 +272,7 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=None, direction: str = 
         step = dom.value(k - 1) if k > 1 else None
     at_value = est.at(**fixed, **{symbol: value})
     past = est.at(**fixed, **{symbol: step}) if step is not None and not _beyond(est, fixed, symbol, step) else None
-    bind = est.points[peak.binding(step if past is not None else value)]
+    bind = peak.binding(step if past is not None else value)
     # a closed form of the boundary where every integer is allowed (not multiples or divisors)
     closed = (x, subs) if dom.step == 1 and dom.divisors is None else None
     return Solution(symbol, direction, value, total, res, at_value, past, bind, dict(fixed),
