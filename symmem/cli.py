@@ -155,7 +155,8 @@ PARALLEL_OPTIONS = (
     ("--virtual-stages", "virtual_stages", int, "V", "chunks of layers per rank under --schedule interleaved"),
     ("--microbatches", "microbatches", int, "M", "micro-batches of b per optimizer step under --pp "
                                                  "(default 1)"),
-    ("--cp", "cp", str, "C", "context-parallel degree (not modelled yet)"),
+    ("--cp", "cp", str, "C", "context-parallel degree (torch's ring attention: each sequence split over C "
+                             "ranks, 2C | seq; a number, or c)"),
     ("--ep", "ep", str, "E", "expert-parallel degree (not modelled yet)"),
 )
 
@@ -718,7 +719,8 @@ def _solution_json(sol, bud, est) -> dict:
 
 
 #: The option that fixes a symbol; any other is fixed with --set NAME=VALUE.
-SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D", "d": "--dp D", "t": "--tp T"}
+SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D", "d": "--dp D", "t": "--tp T",
+               "c": "--cp C"}
 
 
 def _missing(names: list, why: str) -> ConfigError:
@@ -866,8 +868,8 @@ def _policy_entries(part) -> list[tuple[str, str]]:
     return {"accumulate": [("K", "a whole number >= 1 (1: no gradient accumulation)")],
             "parallel": [("none", "one device"),
                          ("KEY=VALUE,...", "the fields of symmem.Parallel: dp, zero, fsdp, shard_size, offload, "
-                                           "reduce_bucket, prefetch (tp, sp, pp, schedule, virtual_stages, "
-                                           "microbatches, cp, ep: not modelled yet)")],
+                                           "reduce_bucket, prefetch, tp, sp, pp, schedule, virtual_stages, "
+                                           "microbatches, cp (ep: not modelled yet)")],
             "lora": [("none", "no adapters: every weight trained"),
                      ("R", "a rank >= 1: adapters A (R x in) and B (out x R) beside each target"),
                      ("r", "the rank as the symbol r, which stays in the formulas")],

@@ -37,7 +37,7 @@ from typing import NamedTuple, Union
 import sympy as sp
 
 __all__ = ["Key", "Hold", "Compute", "Alloc", "Free", "Release", "Mark", "Backward", "Begin", "End", "Event",
-           "MicroBatch", "flat",
+           "MicroBatch", "flat", "map_bytes",
            "Plan", "PHASES", "ROLES", "AUTOGRAD", "CHECKPOINT", "CACHE", "OUTPUTS", "LOOP"]
 
 #: The phases of a step, in order.
@@ -228,6 +228,19 @@ class MicroBatch:
     warmup: bool = False
 
 
+def map_bytes(e, fn):
+    """``e`` with each of its byte expressions ``x`` replaced by ``fn(x)``."""
+    if isinstance(e, Compute):
+        return replace(e, out_bytes=fn(e.out_bytes), new=tuple((k, fn(n)) for k, n in e.new), temp=fn(e.temp))
+    if isinstance(e, (Alloc, Free)):
+        return replace(e, nbytes=fn(e.nbytes))
+    if isinstance(e, Mark):
+        return replace(e, extra=tuple((r, fn(x)) for r, x in e.extra))
+    if isinstance(e, Backward):
+        return replace(e, events=tuple(map_bytes(x, fn) for x in e.events))
+    return e
+
+
 @dataclass(frozen=True)
 class Plan:
     """One training step: events per phase, and what the counter needs beside them.
@@ -253,6 +266,16 @@ class Plan:
 
     def with_phase(self, name: str, events) -> "Plan":
         return replace(self, **{name: tuple(events)})
+
+    def mapped_bytes(self, fn) -> "Plan":
+        """The plan with every event's bytes ``x`` replaced by ``fn(x)`` (every phase, every
+        micro-batch; the components are left as they are)."""
+        def phase(events):
+            return tuple(map_bytes(e, fn) for e in events)
+        return replace(self, states=phase(self.states), forward=phase(self.forward), backward=phase(self.backward),
+                       optimizer=phase(self.optimizer),
+                       later=tuple(replace(mb, forward=phase(mb.forward), backward=phase(mb.backward))
+                                   for mb in self.later))
 
     def sections(self):
         """(title, phase, micro-batch label, events) in the order the step runs them (phase

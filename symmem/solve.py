@@ -295,7 +295,7 @@ def _askable(est: Estimate, x) -> None:
 
 class _Domain:
     """The values the model allows for ``x``, numbered k = 1, 2, ...: every integer, the
-    multiples of m (a ``divides`` requirement ``m | x``), or the divisors of n (``x | n``);
+    multiples of m (a ``divides`` requirement ``m | x``), or the divisors of n / m (``m x | n``);
     ``last`` is the largest k within an ``at most`` requirement (``s <= s_max``)."""
 
     def __init__(self, est: Estimate, x, subs: dict):
@@ -305,10 +305,10 @@ class _Domain:
             lv, rv = sp.sympify(lhs).xreplace(subs), sp.sympify(rhs).xreplace(subs)
             if kind == "divides" and rv == x and lv.is_Integer:
                 self.step = int(lv)
-            elif kind == "divides" and lv == x and rv.is_Integer:     # each such n: divisors of all
-                n = int(rv)
-                self.divisors = [d for d in (self.divisors or range(1, n + 1)) if n % d == 0]
-                self.why = (self.why + "; " if self.why else "") + f"{x} divides {rhs} = {n}: {reason}"
+            elif kind == "divides" and rv.is_Integer and (lv / x).is_Integer:   # m x | n: x divides n / m
+                m, n = int(lv / x), int(rv)
+                self.divisors = [d for d in (self.divisors or range(1, n + 1)) if n % (m * d) == 0]
+                self.why = (self.why + "; " if self.why else "") + f"{lhs} divides {rhs} = {n}: {reason}"
             elif kind == "at most" and lv == x and rv.is_Integer:
                 cap = int(rv)
                 self.why = f"{x} <= {rhs} = {cap}: {reason}"

@@ -12,23 +12,24 @@ schedules, inference) are further modules here.
 """
 from __future__ import annotations
 
-from . import (accumulate, attention, fp8, inference, keep_fp32, lora, pipeline, quantize, recompute, regions, shard,
-               tensor)
+from . import (accumulate, attention, context, fp8, inference, keep_fp32, lora, pipeline, quantize, recompute, regions,
+               shard, tensor)
 
 __all__ = ["PASSES", "prepare", "run", "inference", "regions", "keep_fp32", "attention", "fp8", "quantize", "lora",
-           "recompute", "accumulate", "tensor", "shard", "pipeline"]
+           "recompute", "accumulate", "context", "tensor", "shard", "pipeline"]
 
 #: The passes, in the order they rewrite a graph and a plan: inference's step graph first (its
 #: cache nodes and shapes are what the attention kernel then sees), the layer ranges (the
 #: repeated block split once where any of them begins or ends), then the modules kept in
 #: float32, the attention kernel (chosen in each node's dtype; recomputation sees the
-#: kernel's operators), FP8 and quantized layers before the adapters that wrap them; tensor
-#: parallelism (the layers split over t ranks, their parameters first) before sharding (data
+#: kernel's operators), FP8 and quantized layers before the adapters that wrap them; context
+#: parallelism (every activation of s / c positions, ring attention at the fused kernels) before
+#: tensor parallelism (the layers split over t ranks, their parameters first) before sharding (data
 #: parallelism, ZeRO, FSDP, offload) over the whole step of one rank; the pipeline last: its
 #: stage is cut from the graph the others rewrote, and the micro-batches it holds in flight
 #: are what that stage's step, every other pass applied, keeps for backward.
-PASSES = (inference, regions, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate, tensor, shard,
-          pipeline)
+PASSES = (inference, regions, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate, context, tensor,
+          shard, pipeline)
 
 
 def prepare(graph, policy):

@@ -343,7 +343,8 @@ def _masked(node, g: Graph, ctx, kernel: str) -> None:
 def _fused(kernel):
     def build(node, g: Graph, ctx) -> None:
         q, k, v = node.inputs[:3]
-        g.add("sdpa_kernel", q, k, v, kernel=kernel, dropout=node.attr("dropout", 0.0), name=node.name)
+        g.add("sdpa_kernel", q, k, v, kernel=kernel, dropout=node.attr("dropout", 0.0),
+              causal=bool(node.attr("causal")), name=node.name)
     return build
 
 

@@ -268,7 +268,9 @@ class Policy:
         return self.opt.counters_on_device(self.device, self.impl)
 
     def ctx(self) -> Ctx:
-        return replace(self.prec.ctx(self.device), batch_one=self.batch_one, no_grad=self.mode == "inference")
+        cp = self.parallel.cp
+        return replace(self.prec.ctx(self.device), batch_one=self.batch_one, no_grad=self.mode == "inference",
+                       ring=not (isinstance(cp, int) and cp == 1))
 
     def _inference_precision(self) -> str:
         """The precision in words for inference: no gradient, optimizer state or scaler."""

@@ -10,8 +10,9 @@ What is modelled today: data parallelism (PyTorch DDP's gradient buckets), ZeRO 
 (DeepSpeed), FSDP's full, grad-op and hybrid sharding, and offload of the optimizer states and
 of the parameters (:mod:`symmem.passes.shard`); Megatron's tensor and sequence parallelism
 (:mod:`symmem.passes.tensor`); pipeline parallelism with the GPipe, 1F1B and interleaved
-schedules (:mod:`symmem.passes.pipeline`), each stage a rank of its own. Context and expert
-parallelism are part of the layout but refused ("not modelled yet") until their passes exist.
+schedules (:mod:`symmem.passes.pipeline`), each stage a rank of its own; context parallelism as
+torch's load-balanced ring attention (:mod:`symmem.passes.context`). Expert parallelism is part
+of the layout but refused ("not modelled yet") until its pass exists.
 
 A spec string names the same thing on a command line: ``"dp=8,zero=3,offload=optimizer"``
 (``"none"``: one device).
@@ -23,7 +24,7 @@ from dataclasses import dataclass, fields
 import sympy
 
 from ..errors import ConfigError
-from ..symbols import d as _d, t as _t
+from ..symbols import c as _c, d as _d, t as _t
 
 __all__ = ["Parallel", "FSDP", "OFFLOAD", "SCHEDULES", "DEGREES"]
 
@@ -51,7 +52,7 @@ SCHEDULES = {"gpipe": "every micro-batch's forward, then every backward (GPipe; 
              "interleaved": "1F1B over v chunks of layers per rank (Megatron's virtual pipeline stages; "
                             "torch's ScheduleInterleaved1F1B)"}
 #: The degree fields, their symbol where symmem has one, and the option that sets them.
-DEGREES = {"dp": _d, "tp": _t, "pp": None, "cp": None, "ep": None}
+DEGREES = {"dp": _d, "tp": _t, "pp": None, "cp": _c, "ep": None}
 
 
 def _degree(name: str, value):
@@ -86,8 +87,9 @@ class Parallel:
     ``sp``: Megatron's tensor-parallel degree (an integer or the symbol ``t``) and sequence
     parallelism beside it. ``pp``: pipeline stages (an integer); ``schedule``: ``"gpipe"``,
     ``"1f1b"`` or ``"interleaved"``; ``virtual_stages``: chunks of layers per rank (interleaved
-    only); ``microbatches``: micro-batches per optimizer step, each of ``b``. ``cp``, ``ep``: the
-    layout's other degrees, refused above 1 until they are modelled. ``reduce_bucket``:
+    only); ``microbatches``: micro-batches per optimizer step, each of ``b``. ``cp``: ranks each
+    sequence is split over (an integer or the symbol ``c``: torch's ring attention); ``ep``:
+    expert parallelism, refused above 1 until it is modelled. ``reduce_bucket``:
     DeepSpeed's ``reduce_bucket_size`` (elements of its gradient bucket, 5e8 by default; FSDP
     has none); ``prefetch``: units gathered ahead of the one computed (ZeRO-3, FSDP; 1)."""
     dp: object = 1
@@ -153,13 +155,14 @@ class Parallel:
         self._refuse_unmodelled()
 
     def _refuse_unmodelled(self):
-        """Context and expert parallelism: part of the layout, refused until their passes
-        exist; the pipeline's schedule checked."""
-        what = {"cp": "context parallelism", "ep": "expert parallelism"}
+        """Expert parallelism: part of the layout, refused until its pass exists; the pipeline's
+        schedule checked."""
+        what = {"ep": "expert parallelism"}
         for name, words in what.items():
             if not _is_one(getattr(self, name)):
                 raise ConfigError(name, str(getattr(self, name)), "1 (" + words + " is not modelled yet)",
-                                  "Data, tensor and pipeline parallelism, ZeRO, FSDP and offload are; leave --"
+                                  "Data, tensor, pipeline and context parallelism, ZeRO, FSDP and offload are; "
+                                  "leave --"
                                   + name + " out.")
         if self.sp and _is_one(self.tp):
             raise ConfigError("sp", True, "tensor parallelism beside it (tp > 1): sequence parallelism splits "
@@ -225,9 +228,9 @@ class Parallel:
 
     @property
     def is_single(self) -> bool:
-        """One device: one data-parallel rank (:attr:`data_single`), no tensor and no
-        pipeline parallelism."""
-        return self.data_single and _is_one(self.tp) and self.pp == 1
+        """One device: one data-parallel rank (:attr:`data_single`), no tensor, pipeline or
+        context parallelism."""
+        return self.data_single and _is_one(self.tp) and self.pp == 1 and _is_one(self.cp)
 
     def micro_batch(self, global_batch: int, accumulate: int = 1):
         """The micro-batch ``b`` of each rank for a global batch: ``global_batch / (dp *
@@ -246,8 +249,9 @@ class Parallel:
         return sympy.Integer(global_batch) / ranks
 
     def bindings(self) -> dict:
-        """``{d: dp, t: tp}`` where they are numbers (the formulas stay in d and t)."""
-        return {sym: sympy.Integer(v) for sym, v in ((_d, self.dp), (_t, self.tp)) if isinstance(v, int)}
+        """``{d: dp, t: tp, c: cp}`` where they are numbers (the formulas stay in d, t and c)."""
+        return {sym: sympy.Integer(v) for sym, v in ((_d, self.dp), (_t, self.tp), (_c, self.cp))
+                if isinstance(v, int)}
 
     # ----- names ----------------------------------------------------------------------------
     @classmethod
@@ -288,6 +292,9 @@ class Parallel:
             return "one device"
         tensor = (f"tensor parallel over tp = {self.tp}" + (" with sequence parallelism" if self.sp else "")
                   if not _is_one(self.tp) else "")
+        if not _is_one(self.cp):
+            ring = f"context parallel over cp = {self.cp} (ring attention)"
+            tensor = f"{tensor}, {ring}" if tensor else ring
         if self.pp > 1:
             chunks = f", {self.virtual_stages} chunks per rank" if self.virtual_stages > 1 else ""
             pipe = (f"pipeline over pp = {self.pp} stages ({self.schedule}{chunks}, {self.microbatches} "

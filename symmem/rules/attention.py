@@ -28,7 +28,7 @@ from .core import F32, DType, Footprint, Saved, TensorInfo, _grads, _promote, ru
 
 BYTE = DType("uint8", sp.Integer(1), 0)
 
-__all__ = ["attention_rule", "sdpa_kernel_rule", "sdpa_causal_mask_rule", "RNG_BYTES"]
+__all__ = ["attention_rule", "sdpa_kernel_rule", "sdpa_causal_mask_rule", "RNG_BYTES", "backward_scratch"]
 
 
 def _qkv(node, ins):
@@ -129,21 +129,33 @@ def sdpa_kernel_rule(node, ins, ctx):
             saved += [Saved("attention mask", "in3"),
                       Saved("attention mask padding", "new", m.numel / cols * (_round(cols, 16) - cols), m.dtype)]
             fwd_temp = m.numel * m.dtype.nbytes * (sp.ceiling(cols / 16) - sp.floor(cols / 16))
-    if ctx.device == "cuda":
-        if RNG_BYTES[kernel]:
-            saved.append(Saved("RNG state", "new", sp.Integer(RNG_BYTES[kernel]), BYTE, after=True))
-        if kernel == "flash":
-            d_r = _round(dd, 32) if not (sp.sympify(dd).is_number and dd > 128) else _round(dd, 64)
-            bwd_temp += 4 * bb * _round(ss, 128) * aa * (d_r + 1)
-        elif kernel == "mem-efficient":
-            bwd_temp += 4 * bb * aa * ss * (dd + 1)
+    if ctx.device == "cuda" and RNG_BYTES[kernel]:
+        saved.append(Saved("RNG state", "new", sp.Integer(RNG_BYTES[kernel]), BYTE, after=True))
+    bwd_temp += backward_scratch(kernel, ctx.device, q.shape)
     # flash writes its output in q's layout: sequence-major for a head view, (b, a, s, d) for a
-    # contiguous q (GPT-NeoX's partially rotated one), which merging the heads then copies
-    seq_major = kernel != "flash" or not q.contiguous
+    # contiguous q (GPT-NeoX's partially rotated one), which merging the heads then copies; so
+    # does context parallelism's ring on every rank but the last, whose merged output is a
+    # concatenation of its two half-chunks (symmem.passes.context)
+    seq_major = (kernel != "flash" or not q.contiguous) and not ctx.ring
     out = TensorInfo(tuple(q.shape[:-1]) + (v.shape[-1],), dt, not seq_major, True, seq_major=seq_major)
     # autocast casts q, k, v right to left, so their cast-backs run q, k, v (as linear's do)
     return Footprint(out, saved=tuple(saved), grads=_grads(ins), fwd_temp=fwd_temp, bwd_temp=bwd_temp,
                      cast_back=tuple(late))
+
+
+def backward_scratch(kernel: str, device: str, shape) -> sp.Expr:
+    """The float32 scratch of a fused kernel's backward on q of ``shape`` (b, a, s, d)
+    (:func:`sdpa_kernel_rule`): CUDA flash's ``dq_accum`` and ``softmax_d``, CUDA
+    mem-efficient's ``delta`` and dQ accumulator; none counted for cuDNN and the CPU."""
+    bb, aa, ss, dd = shape
+    if device != "cuda":
+        return sp.Integer(0)
+    if kernel == "flash":
+        d_r = _round(dd, 32) if not (sp.sympify(dd).is_number and dd > 128) else _round(dd, 64)
+        return 4 * bb * _round(ss, 128) * aa * (d_r + 1)
+    if kernel == "mem-efficient":
+        return 4 * bb * aa * ss * (dd + 1)
+    return sp.Integer(0)
 
 
 @rule("sdpa_causal_mask")

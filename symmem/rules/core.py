@@ -63,6 +63,8 @@ class Ctx:
     #: under ``torch.no_grad`` (inference): autograd records nothing, though the weights still
     #: require grad (so autocast's cache keeps their half copies, as it does in training)
     no_grad: bool = False
+    #: the fused attention kernels run as context parallelism's ring (:mod:`symmem.passes.context`)
+    ring: bool = False
 
     def batch_view(self, t: "TensorInfo") -> bool:
         """Does ``t`` lead with the batch dimension, and is the step derived for b = 1? Then
