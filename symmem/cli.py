@@ -157,7 +157,8 @@ PARALLEL_OPTIONS = (
                                                  "(default 1)"),
     ("--cp", "cp", str, "C", "context-parallel degree (torch's ring attention: each sequence split over C "
                              "ranks, 2C | seq; a number, or c)"),
-    ("--ep", "ep", str, "E", "expert-parallel degree (not modelled yet)"),
+    ("--ep", "ep", str, "E", "expert-parallel degree (transformers' AllToAllEP: a mixture of experts' E experts split "
+                             "over E ranks, balanced routing; a number, or e)"),
 )
 
 
@@ -720,7 +721,7 @@ def _solution_json(sol, bud, est) -> dict:
 
 #: The option that fixes a symbol; any other is fixed with --set NAME=VALUE.
 SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D", "d": "--dp D", "t": "--tp T",
-               "c": "--cp C"}
+               "c": "--cp C", "e": "--ep E"}
 
 
 def _missing(names: list, why: str) -> ConfigError:
@@ -869,7 +870,7 @@ def _policy_entries(part) -> list[tuple[str, str]]:
             "parallel": [("none", "one device"),
                          ("KEY=VALUE,...", "the fields of symmem.Parallel: dp, zero, fsdp, shard_size, offload, "
                                            "reduce_bucket, prefetch, tp, sp, pp, schedule, virtual_stages, "
-                                           "microbatches, cp (ep: not modelled yet)")],
+                                           "microbatches, cp, ep")],
             "lora": [("none", "no adapters: every weight trained"),
                      ("R", "a rank >= 1: adapters A (R x in) and B (out x R) beside each target"),
                      ("r", "the rank as the symbol r, which stays in the formulas")],

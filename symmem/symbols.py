@@ -18,7 +18,7 @@ from .errors import UnknownName
 
 __all__ = [
     "SymbolInfo", "TABLE", "symbol", "latex_names",
-    "b", "s", "h", "a", "L", "V", "f", "k", "d_h", "d_e", "s_max", "r", "G", "g", "t", "d", "c",
+    "b", "s", "h", "a", "L", "V", "f", "k", "d_h", "d_e", "s_max", "r", "G", "g", "t", "d", "c", "e",
     "E", "K", "s_d", "n_b", "s_w", "H", "W", "C", "P", "n_c", "n_g", "M", "R",
     "B_w", "B_g", "B_m", "B_o", "B_a",
     "DIMENSIONS", "BYTE_SYMBOLS",
@@ -58,6 +58,7 @@ _INFOS = [
     _dim("t", "t", "tensor-parallel degree"),
     _dim("d", "d", "data-parallel degree"),
     _dim("c", "c", "context-parallel degree (ranks each sequence is split over)"),
+    _dim("e", "e", "expert-parallel degree (ranks the experts are split over)"),
     _dim("E", "E", "experts of a mixture-of-experts layer (num_local_experts)"),
     _dim("K", "K", "experts each token is routed to (top-k)"),
     _dim("s_d", "s_{d}", "decoder (target) sequence length of an encoder-decoder model"),
@@ -84,14 +85,14 @@ TABLE: dict[str, SymbolInfo] = {i.symbol.name: i for i in _INFOS}
 
 b, s, h, a, L, V, f, k, d_h, d_e, s_max, r = (
     TABLE[n].symbol for n in ("b", "s", "h", "a", "L", "V", "f", "k", "d_h", "d_e", "s_max", "r"))
-G, g, t, d, c = (TABLE[n].symbol for n in ("G", "g", "t", "d", "c"))
+G, g, t, d, c, e = (TABLE[n].symbol for n in ("G", "g", "t", "d", "c", "e"))
 E, K, s_d, n_b, s_w, H, W, C, P, n_c = (
     TABLE[n].symbol for n in ("E", "K", "s_d", "n_b", "s_w", "H", "W", "C", "P", "n_c"))
 n_g = TABLE["n_g"].symbol
 B_w, B_g, B_m, B_o, B_a = (TABLE[n].symbol for n in ("B_w", "B_g", "B_m", "B_o", "B_a"))
 M, R = TABLE["M"].symbol, TABLE["R"].symbol
 
-DIMENSIONS = (b, s, h, a, L, V, f, k, d_h, d_e, s_max, r, G, g, t, d, c, E, K, s_d, n_b, s_w, H, W, C, P, n_c, n_g)
+DIMENSIONS = (b, s, h, a, L, V, f, k, d_h, d_e, s_max, r, G, g, t, d, c, e, E, K, s_d, n_b, s_w, H, W, C, P, n_c, n_g)
 BYTE_SYMBOLS = (B_w, B_g, B_m, B_o, B_a)
 
 

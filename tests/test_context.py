@@ -49,7 +49,7 @@ def test_the_sequence_must_split_into_2c_chunks():
 
 
 @pytest.mark.parametrize("config,policy,message", [
-    (LLAMA, dict(attention="eager"), "cp = '2' is not valid: expected 1 with the eager attention kernel: ring "
+    (LLAMA, dict(attention="eager"), "cp = 2 is not valid: expected 1 with the eager attention kernel: ring "
                                      "attention merges the log-sum-exp of a fused kernel (flash, mem-efficient, "
                                      "cudnn)."),
     (LLAMA, dict(attention="sdpa", mode="inference"), "parallel with --mode inference = 'cp=2' is not valid: "

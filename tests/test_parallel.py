@@ -81,7 +81,7 @@ def test_parallel_defaults_and_specs():
     ({"pp": 4, "virtual_stages": 2}, "virtual_stages = 2 is not valid: expected 1 with the 1f1b schedule"),
     ({"pp": 4, "microbatches": 0}, "microbatches = 0 is not valid: expected a whole number >= 1."),
     ({"cp": 0}, "cp = 0 is not valid: expected a whole number >= 1 or the symbol c."),
-    ({"ep": 2}, "ep = '2' is not valid: expected 1 (expert parallelism is not modelled yet)."),
+    ({"ep": 0}, "ep = 0 is not valid: expected a whole number >= 1 or the symbol e."),
     ({"sp": True}, "sp = True is not valid: expected tensor parallelism beside it (tp > 1): sequence "
                    "parallelism splits the layers' norms and dropouts over the tensor-parallel ranks."),
     ({"schedule": "gpipe"}, "pp = 1 is not valid: expected 2 or more pipeline stages for a schedule, virtual "

@@ -24,7 +24,8 @@ Refused unless at the default (:data:`UNMODELLED`): ``output_router_logits`` (ke
 layer's router logits and adds the load-balancing loss), ``router_jitter_noise`` (multiplies
 the hidden states in place by noise), ``experts_implementation`` other than grouped_mm and the
 Llama family's refusals. The symbols: E (``num_local_experts``) and K (``num_experts_per_tok``)
-beside Mistral's.
+beside Mistral's. Under expert parallelism (``--ep``, :mod:`symmem.passes.expert`) the experts'
+nodes are replaced by :func:`ep_experts`, transformers' ``AllToAllEP`` dispatch and combine.
 """
 from __future__ import annotations
 
@@ -37,7 +38,14 @@ from .llama import IGNORED as LLAMA_IGNORED, UNMODELLED as LLAMA_UNMODELLED, Dec
 from .registry import Family, Unmodelled, register
 from . import checks
 
-__all__ = ["MixtralConfig", "build_mixtral", "moe_block", "PRESETS", "HF_IDS", "UNMODELLED", "IGNORED", "FAMILY"]
+__all__ = ["MixtralConfig", "build_mixtral", "moe_block", "ep_experts", "EXPERTS", "PRESETS", "HF_IDS", "UNMODELLED",
+           "IGNORED", "FAMILY"]
+
+#: The nodes of :func:`moe_block` that run the experts (from the sorted pairs to the summed
+#: output): what expert parallelism replaces (:func:`ep_experts`), and the values it reads.
+EXPERTS = ("layers/mlp/experts/", "layers/mlp.experts.")
+EXPERTS_OUT, ROWS, TOP_K_INDEX, TOP_K_WEIGHTS = ("layers/mlp/experts/out", "layers/mlp/rows",
+                                                 "layers/mlp/router/top_k_index", "layers/mlp/router/top_k_weights")
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,82 @@ def moe_block(g: Graph, y: str) -> str:
     for value in (logits, index, weights, y):
         g.hold(value, until=moe)
     return moe
+
+
+def ep_experts(g: Graph, ep) -> str:
+    """The experts of :func:`moe_block` under transformers' expert parallelism over ``ep``
+    ranks (``distributed/expert_parallel.py``: the ``grouped_gemm`` style keeps ``E / ep``
+    experts a rank, ``ep_dispatch_experts`` runs ``AllToAllEP`` in training), reading the
+    block's rows, top-k indices and weights; returns :data:`EXPERTS_OUT` (N, h).
+
+    Dispatch: ``argsort`` of the S = N K expert ids (its sorted values are scratch), the rows
+    ``x[order // K]`` to send (S, h), the counts per expert (``scatter_add_`` of an S-long
+    ``ones_like``; the counts exchanged), ``all_to_all_single_autograd`` to the R rows this
+    rank's experts run (balanced routing: R = S), their local expert ids
+    (``arange(E/ep).repeat(ep).repeat_interleave``) and unit weights. The experts: the
+    grouped_mm path of :func:`moe_block` on R rows with K = 1 and E / ep experts, with
+    ``_is_expert_parallel``'s sentinel mask (bool (R, 1)): the gathered rows masked in place,
+    each projection's output masked into a new tensor. Combine: the R outputs sent back (S, h),
+    put in (token, slot) order (``empty_like`` then ``index_put_`` by the order), times the
+    routing weights, summed over the K slots. Lifetimes follow the Python locals of
+    ``_dispatch_tokens``, the experts' forward, ``_combine_tokens`` and ``AllToAllEP.__call__``."""
+    N, S = b * s, b * s * K
+    R, E_r = S, E / ep
+
+    def add(op, *inputs, name, **attrs):
+        return g.add(op, *inputs, name=f"layers/mlp/{name}", **attrs)
+
+    rows, index, weights = ROWS, TOP_K_INDEX, TOP_K_WEIGHTS
+    # _dispatch_tokens
+    order = add("index_tensor", index, shape=(S,), dtype="int64", temp=8 * S, name="ep/order")
+    send_index = add("index_tensor", order, shape=(S,), dtype="int64", name="ep/order_div_k")
+    send = add("gather_rows", rows, send_index, name="ep/send_tokens")
+    send_counts = add("index_tensor", index, shape=(E,), dtype="int64", temp=8 * S, name="ep/send_counts")
+    recv_counts = add("index_tensor", send_counts, shape=(E,), dtype="int64", name="ep/recv_counts")
+    received = add("all_to_all", send, rows=R, name="ep/recv_tokens")
+    ids = add("index_tensor", recv_counts, shape=(R,), dtype="int64", temp=8 * E, name="ep/recv_expert_ids")
+    unit = add("index_tensor", received, shape=(R, 1), dtype="like", name="ep/recv_weights")
+    for value in (send, send_counts, recv_counts):          # _dispatch_tokens' locals
+        g.hold(value, until=unit)
+    # the experts' forward on the R received rows, K = 1, E / ep experts
+    expert_ids = add("index_tensor", ids, shape=(R,), dtype="int64", name="ep/experts/expert_ids_g")
+    perm = add("index_tensor", ids, shape=(R,), dtype="int64", name="ep/experts/perm")
+    tokens = add("index_tensor", perm, shape=(R,), dtype="int64", name="ep/experts/perm_div_k")
+    xs = add("gather_rows", received, tokens, name="ep/experts/selected_hidden_states")
+    wg = add("gather_rows", add("reshape", unit, shape=(R,), name="ep/experts/sample_weights"), perm,
+             name="ep/experts/sample_weights_g")
+    hist_in = add("index_tensor", expert_ids, shape=(R,), dtype="float32", name="ep/experts/histc_input")
+    counts = add("index_tensor", hist_in, shape=(E_r,), dtype="float32", name="ep/experts/tokens_per_expert")
+    offs = add("index_tensor", counts, shape=(E_r,), dtype="int32", name="ep/experts/offsets")
+    mask = add("index_tensor", expert_ids, shape=(R, 1), dtype="bool", name="ep/experts/sentinel_mask")
+    xs = add("masked_fill", xs, mask, inplace=True, name="ep/experts/selected_masked")
+    gate_up = g.add("grouped_mm", xs, offs, params=(g.param("mlp.experts.gate_up_proj", (E_r, 2 * f, h)),),
+                    name="layers/mlp/ep/experts.gate_up_proj")
+    gate_up = add("masked_fill", gate_up, mask, name="ep/experts/gate_up_masked")
+    gate = add("split", gate_up, parts=2, index=0, name="ep/experts/gate")
+    up = add("split", gate_up, parts=2, index=1, name="ep/experts/up")
+    act = add("mul", add("silu", gate, name="ep/experts/act"), up, name="ep/experts/gated")
+    down = g.add("grouped_mm", act, offs, params=(g.param("mlp.experts.down_proj", (E_r, h, f)),),
+                 name="layers/mlp/ep/experts.down_proj")
+    down = add("masked_fill", down, mask, name="ep/experts/down_masked")
+    weighted = add("mul", down, add("reshape", wg, shape=(R, 1), name="ep/experts/sample_weights_col"),
+                   name="ep/experts/weighted")
+    inverse = add("index_tensor", perm, shape=(R,), dtype="int64", temp=8 * R, name="ep/experts/inv_perm")
+    unsorted = add("gather_rows", weighted, inverse, name="ep/experts/weighted_out")
+    expert_out = add("sum_topk", unsorted, k=1, name="ep/experts/final_hidden_states")
+    for value in (expert_ids, perm, xs, wg, hist_in, counts, offs, mask, down, unsorted):   # its locals
+        g.hold(value, until=expert_out)
+    # _combine_tokens
+    back = add("all_to_all", expert_out, rows=S, name="ep/recv_out")
+    ordered = add("gather_rows", back, order, name="ep/token_outputs")
+    scaled = add("mul", ordered, add("reshape", weights, shape=(S, 1), name="ep/top_k_weights_col"),
+                 name="ep/weighted")
+    summed = add("sum_topk", scaled, k=K, name="ep/output")
+    g.hold(back, until=summed)
+    # AllToAllEP.__call__'s locals: the received rows, ids and weights, the experts' output
+    for value in (received, ids, unit, expert_out, order):
+        g.hold(value, until=summed)
+    return g.add("type_as", summed, rows, name=EXPERTS_OUT)
 
 
 def build_mixtral(cfg: MixtralConfig) -> Graph:

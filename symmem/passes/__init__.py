@@ -12,15 +12,16 @@ schedules, inference) are further modules here.
 """
 from __future__ import annotations
 
-from . import (accumulate, attention, context, fp8, inference, keep_fp32, lora, pipeline, quantize, recompute, regions,
-               shard, tensor)
+from . import (accumulate, attention, context, expert, fp8, inference, keep_fp32, lora, pipeline, quantize, recompute,
+               regions, shard, tensor)
 
 __all__ = ["PASSES", "prepare", "run", "inference", "regions", "keep_fp32", "attention", "fp8", "quantize", "lora",
-           "recompute", "accumulate", "context", "tensor", "shard", "pipeline"]
+           "recompute", "accumulate", "expert", "context", "tensor", "shard", "pipeline"]
 
 #: The passes, in the order they rewrite a graph and a plan: inference's step graph first (its
 #: cache nodes and shapes are what the attention kernel then sees), the layer ranges (the
-#: repeated block split once where any of them begins or ends), then the modules kept in
+#: repeated block split once where any of them begins or ends), expert parallelism (a mixture
+#: of experts' dispatch to E / e experts and back, in the graph), then the modules kept in
 #: float32, the attention kernel (chosen in each node's dtype; recomputation sees the
 #: kernel's operators), FP8 and quantized layers before the adapters that wrap them; context
 #: parallelism (every activation of s / c positions, ring attention at the fused kernels) before
@@ -28,8 +29,8 @@ __all__ = ["PASSES", "prepare", "run", "inference", "regions", "keep_fp32", "att
 #: parallelism, ZeRO, FSDP, offload) over the whole step of one rank; the pipeline last: its
 #: stage is cut from the graph the others rewrote, and the micro-batches it holds in flight
 #: are what that stage's step, every other pass applied, keeps for backward.
-PASSES = (inference, regions, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate, context, tensor,
-          shard, pipeline)
+PASSES = (inference, regions, expert, keep_fp32, attention, fp8, quantize, lora, recompute, accumulate, context,
+          tensor, shard, pipeline)
 
 
 def prepare(graph, policy):

@@ -99,15 +99,15 @@ def prepare(graph, policy):
     for n in _nodes(graph):
         kernel = n.attr("attention_kernel")
         if kernel is not None and kernel not in FUSED:
-            raise ConfigError("cp", str(cp), f"1 with the {kernel} attention kernel: ring attention merges the "
+            raise ConfigError("cp", cp, f"1 with the {kernel} attention kernel: ring attention merges the "
                               "log-sum-exp of a fused kernel (flash, mem-efficient, cudnn)", fix)
     if not found:
-        raise ConfigError("cp", str(cp), f"1 for {graph.name}: it has no fused attention kernel to run as a ring",
+        raise ConfigError("cp", cp, f"1 for {graph.name}: it has no fused attention kernel to run as a ring",
                           fix)
     for n in found.values():
         if len(n.inputs) > 3 or not n.attr("causal"):
             what = "a mask (a sliding window or padding)" if len(n.inputs) > 3 else "non-causal attention"
-            raise ConfigError("cp", str(cp), f"1 with {what} in {n.name!r}: torch's load-balanced ring attention "
+            raise ConfigError("cp", cp, f"1 with {what} in {n.name!r}: torch's load-balanced ring attention "
                               "runs causal attention with no mask", fix)
     return graph
 
@@ -200,7 +200,7 @@ def apply(plan: Plan, graph, policy) -> Plan:
                    later=tuple(replace(mb, forward=phase(mb.forward, True), backward=phase(mb.backward, False))
                                for mb in plan.later))
     if not rings:
-        raise ConfigError("cp", str(cp), "a step whose attention kernels run (none found in the plan)")
+        raise ConfigError("cp", cp, "a step whose attention kernels run (none found in the plan)")
     plan = plan.mapped_bytes(lambda x: sp.sympify(x).xreplace({s: s / c}))
     req = Requirement(2 * c, s, "context parallelism cuts each sequence into 2c load-balanced chunks", "divides")
     note = (f"context parallel over c = {cp} (torch's load-balanced ring attention): every activation of s / c "

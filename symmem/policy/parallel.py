@@ -11,8 +11,8 @@ What is modelled today: data parallelism (PyTorch DDP's gradient buckets), ZeRO 
 of the parameters (:mod:`symmem.passes.shard`); Megatron's tensor and sequence parallelism
 (:mod:`symmem.passes.tensor`); pipeline parallelism with the GPipe, 1F1B and interleaved
 schedules (:mod:`symmem.passes.pipeline`), each stage a rank of its own; context parallelism as
-torch's load-balanced ring attention (:mod:`symmem.passes.context`). Expert parallelism is part
-of the layout but refused ("not modelled yet") until its pass exists.
+torch's load-balanced ring attention (:mod:`symmem.passes.context`); expert parallelism as
+transformers' ``AllToAllEP`` (:mod:`symmem.passes.expert`).
 
 A spec string names the same thing on a command line: ``"dp=8,zero=3,offload=optimizer"``
 (``"none"``: one device).
@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 import sympy
 
 from ..errors import ConfigError
-from ..symbols import c as _c, d as _d, t as _t
+from ..symbols import c as _c, d as _d, e as _e, t as _t
 
 __all__ = ["Parallel", "FSDP", "OFFLOAD", "SCHEDULES", "DEGREES"]
 
@@ -52,7 +52,7 @@ SCHEDULES = {"gpipe": "every micro-batch's forward, then every backward (GPipe; 
              "interleaved": "1F1B over v chunks of layers per rank (Megatron's virtual pipeline stages; "
                             "torch's ScheduleInterleaved1F1B)"}
 #: The degree fields, their symbol where symmem has one, and the option that sets them.
-DEGREES = {"dp": _d, "tp": _t, "pp": None, "cp": _c, "ep": None}
+DEGREES = {"dp": _d, "tp": _t, "pp": None, "cp": _c, "ep": _e}
 
 
 def _degree(name: str, value):
@@ -89,7 +89,7 @@ class Parallel:
     ``"1f1b"`` or ``"interleaved"``; ``virtual_stages``: chunks of layers per rank (interleaved
     only); ``microbatches``: micro-batches per optimizer step, each of ``b``. ``cp``: ranks each
     sequence is split over (an integer or the symbol ``c``: torch's ring attention); ``ep``:
-    expert parallelism, refused above 1 until it is modelled. ``reduce_bucket``:
+    ranks a mixture of experts' experts are split over (an integer or the symbol ``e``). ``reduce_bucket``:
     DeepSpeed's ``reduce_bucket_size`` (elements of its gradient bucket, 5e8 by default; FSDP
     has none); ``prefetch``: units gathered ahead of the one computed (ZeRO-3, FSDP; 1)."""
     dp: object = 1
@@ -155,15 +155,7 @@ class Parallel:
         self._refuse_unmodelled()
 
     def _refuse_unmodelled(self):
-        """Expert parallelism: part of the layout, refused until its pass exists; the pipeline's
-        schedule checked."""
-        what = {"ep": "expert parallelism"}
-        for name, words in what.items():
-            if not _is_one(getattr(self, name)):
-                raise ConfigError(name, str(getattr(self, name)), "1 (" + words + " is not modelled yet)",
-                                  "Data, tensor, pipeline and context parallelism, ZeRO, FSDP and offload are; "
-                                  "leave --"
-                                  + name + " out.")
+        """Sequence parallelism needs tensor parallelism; the pipeline's schedule checked."""
         if self.sp and _is_one(self.tp):
             raise ConfigError("sp", True, "tensor parallelism beside it (tp > 1): sequence parallelism splits "
                               "the layers' norms and dropouts over the tensor-parallel ranks", "Add --tp 2 (or more).")
@@ -230,7 +222,7 @@ class Parallel:
     def is_single(self) -> bool:
         """One device: one data-parallel rank (:attr:`data_single`), no tensor, pipeline or
         context parallelism."""
-        return self.data_single and _is_one(self.tp) and self.pp == 1 and _is_one(self.cp)
+        return self.data_single and _is_one(self.tp) and self.pp == 1 and _is_one(self.cp) and _is_one(self.ep)
 
     def micro_batch(self, global_batch: int, accumulate: int = 1):
         """The micro-batch ``b`` of each rank for a global batch: ``global_batch / (dp *
@@ -250,7 +242,7 @@ class Parallel:
 
     def bindings(self) -> dict:
         """``{d: dp, t: tp, c: cp}`` where they are numbers (the formulas stay in d, t and c)."""
-        return {sym: sympy.Integer(v) for sym, v in ((_d, self.dp), (_t, self.tp), (_c, self.cp))
+        return {sym: sympy.Integer(v) for sym, v in ((_d, self.dp), (_t, self.tp), (_c, self.cp), (_e, self.ep))
                 if isinstance(v, int)}
 
     # ----- names ----------------------------------------------------------------------------
@@ -295,6 +287,9 @@ class Parallel:
         if not _is_one(self.cp):
             ring = f"context parallel over cp = {self.cp} (ring attention)"
             tensor = f"{tensor}, {ring}" if tensor else ring
+        if not _is_one(self.ep):
+            experts = f"expert parallel over ep = {self.ep} (E / ep experts a rank, all-to-all dispatch)"
+            tensor = f"{tensor}, {experts}" if tensor else experts
         if self.pp > 1:
             chunks = f", {self.virtual_stages} chunks per rank" if self.virtual_stages > 1 else ""
             pipe = (f"pipeline over pp = {self.pp} stages ({self.schedule}{chunks}, {self.microbatches} "

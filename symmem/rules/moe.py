@@ -15,13 +15,14 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ShapeError
-from .core import F32, I64, DType, Footprint, Saved, TensorInfo, _grads, rule
+from .core import BOOL, F32, I64, DType, Footprint, Saved, TensorInfo, _grads, rule
 
 __all__ = ["reshape_rule", "topk_indices_rule", "topk_rule", "sum_last_rule", "div_inplace_rule",
-           "index_tensor_rule", "gather_rows_rule", "grouped_mm_rule", "sum_topk_rule"]
+           "index_tensor_rule", "gather_rows_rule", "grouped_mm_rule", "sum_topk_rule", "all_to_all_rule",
+           "masked_fill_rule"]
 
 _INT32 = DType("int32", sp.Integer(4), 0)
-_DTYPES = {"int64": I64, "int32": _INT32, "float32": F32}
+_DTYPES = {"int64": I64, "int32": _INT32, "float32": F32, "bool": BOOL}
 
 
 def _numel(shape) -> sp.Expr:
@@ -87,10 +88,13 @@ def div_inplace_rule(node, ins, ctx):
 def index_tensor_rule(node, ins, ctx):
     """A tensor of the dispatch's bookkeeping, without gradient: ``torch.sort``'s values or
     permutation, ``perm // K``, ``histc``'s input and counts, ``cumsum``'s offsets, the inverse
-    permutation. Attributes ``shape`` and ``dtype`` (int64, int32, float32); ``temp``: bytes
-    the op holds while it runs (the ``torch.arange`` written into the inverse permutation)."""
+    permutation, an expert-parallel sentinel mask. Attributes ``shape`` and ``dtype`` (int64,
+    int32, float32, bool, or ``like``: the first input's); ``temp``: bytes the op holds while it
+    runs (the ``torch.arange`` written into the inverse permutation)."""
     shape = tuple(sp.sympify(d) for d in node.attr("shape"))
-    return Footprint(TensorInfo(shape, _DTYPES[node.attr("dtype", "int64")], True, False),
+    name = node.attr("dtype", "int64")
+    dtype = ins[0].dtype if name == "like" else _DTYPES[name]
+    return Footprint(TensorInfo(shape, dtype, True, False),
                      fwd_temp=sp.sympify(node.attr("temp", 0)), grads=tuple(None for _ in ins))
 
 
@@ -136,3 +140,25 @@ def sum_topk_rule(node, ins, ctx):
     k = sp.sympify(node.attr("k"))
     return Footprint(TensorInfo((y.shape[0] / k,) + tuple(y.shape[1:]), y.dtype, True, y.requires_grad),
                      grads=_grads(ins))
+
+
+@rule("all_to_all")
+def all_to_all_rule(node, ins, ctx):
+    """``all_to_all_single_autograd(x, output_split_sizes, input_split_sizes)`` of the rows of
+    x (S, ...): a new (``rows``, ...) tensor of the rows the other ranks send (transformers'
+    expert-parallel dispatch and combine). Saves nothing; backward sends the gradient's rows
+    back, x's gradient a new (S, ...) tensor."""
+    x = ins[0]
+    rows = sp.sympify(node.attr("rows"))
+    return Footprint(TensorInfo((rows,) + tuple(x.shape[1:]), x.dtype, True, x.requires_grad), grads=_grads(ins))
+
+
+@rule("masked_fill")
+def masked_fill_rule(node, ins, ctx):
+    """``x.masked_fill(mask, 0)`` (a new tensor) or, with ``inplace``, ``x.masked_fill_(mask,
+    0)`` in x's storage: MaskedFillBackward0 saves the mask (no new memory); x's gradient is
+    the output's with the masked rows zeroed, a new tensor."""
+    x, mask = ins
+    saved = (Saved("mask", "in1"),) if x.requires_grad else ()
+    out = TensorInfo(x.shape, x.dtype, x.contiguous if node.attr("inplace") else True, x.requires_grad)
+    return Footprint(out, alias=0 if node.attr("inplace") else None, saved=saved, grads=(_grads([x])[0], None))

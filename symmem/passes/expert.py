@@ -1,0 +1,87 @@
+"""Expert parallelism: the plan of one of ``e`` ranks that split a mixture of experts' experts.
+
+transformers 5's expert parallelism (``transformers/distributed/expert_parallel.py``; what
+``from_pretrained(..., distributed_config=DistributedConfig(ep_size=e))`` applies to Mixtral's
+``base_model_ep_plan``): the ``grouped_gemm`` style shards the experts' 3-D weights on their
+first dimension (``E / e`` experts a rank: their weights, gradients and optimizer states), and
+``ep_dispatch_experts`` runs ``AllToAllEP`` in training -- each rank sends every (token, expert)
+pair of its batch to the rank holding the expert (an all-to-all of the rows), runs its experts
+on the rows it receives, and sends the results back (a second all-to-all), where they are put
+in order, weighted and summed (:func:`symmem.models.mixtral.ep_experts`, every tensor and its
+lifetime). Each rank trains its own batch: the layers outside the experts are replicated (their
+gradients all-reduced by the data-parallel wrapper, not counted here).
+
+The rows a rank receives depend on the routing: the formulas take it balanced, ``R = b s K``
+(every expert gets ``b s K / E`` pairs from each rank), as transformers' ``AllToAllEP`` is
+dropless (no capacity factor). At worst every pair of every rank goes to one rank's experts,
+``R = e b s K``: not modelled. The degree stays the symbol ``e`` (bound where it is a number);
+the formulas require ``e | E``. Measured on 2 and 4 CPU processes with gloo
+(``tests/test_expert_measured.py``). Refused beside tensor, context or pipeline parallelism
+and beside ZeRO, FSDP or offload (transformers shards an expert over the ``dp / e`` ranks that
+hold a copy of it: not modelled yet), for models without experts, and in inference (the
+policy refuses a parallel layout there).
+"""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ..graph import Node
+from ..symbols import E, e
+
+__all__ = ["prepare", "apply"]
+
+
+def _active(policy) -> bool:
+    ep = policy.parallel.ep
+    return not (isinstance(ep, int) and ep == 1)
+
+
+def _nodes(graph):
+    for item in graph.items:
+        if isinstance(item, Node):
+            yield item
+        elif hasattr(item, "body"):
+            yield from _nodes(item.body)
+
+
+def prepare(graph, policy):
+    """The graph with each mixture of experts' experts run as one of ``e`` ranks runs them."""
+    if not _active(policy):
+        return graph
+    from ..models.mixtral import EXPERTS, EXPERTS_OUT, ep_experts
+    par = policy.parallel
+    ep = par.ep
+    if not any(n.name == EXPERTS_OUT for n in _nodes(graph)):
+        raise ConfigError("ep", ep, f"1 for {graph.name}: it has no mixture of experts (Mixtral's) to split",
+                          "Leave --ep out.")
+    others = [name for name, on in (("--tp", not isinstance(par.tp, int) or par.tp > 1),
+                                    ("--cp", not isinstance(par.cp, int) or par.cp > 1), ("--pp", par.pp > 1)) if on]
+    if others:
+        raise ConfigError("ep", ep, f"1 beside {', '.join(others)} (expert parallelism with them is not "
+                          "modelled yet)", "Use --ep alone or beside --dp (DDP).")
+    if par.sharded or par.offload != "none":
+        raise ConfigError("ep", ep, "1 with ZeRO, FSDP or offload (transformers shards each expert over the "
+                          "dp / ep ranks holding a copy of it, the other layers over dp: not modelled yet)",
+                          "Use --ep alone or beside --dp (DDP).")
+    bound = graph.bindings.get(E, graph.bindings.get("E"))
+    if isinstance(ep, int) and bound is not None and int(bound) % ep:
+        raise ConfigError("ep", ep, f"a divisor of the {int(bound)} experts (num_local_experts)",
+                          "Each rank holds E / ep whole experts.")
+
+    def rewrite(node, sub) -> bool:
+        if node.name == EXPERTS_OUT:
+            ep_experts(sub, ep)
+            return True
+        return node.name.startswith(EXPERTS)          # the experts' other nodes: removed
+
+    out = graph.rewritten(rewrite)
+    out.require(e, E, "each expert-parallel rank holds E / e whole experts", kind="divides")
+    return out
+
+
+def apply(plan, graph, policy):
+    if not _active(policy):
+        return plan
+    from dataclasses import replace
+    note = (f"expert parallel over e = {policy.parallel.ep} (transformers' AllToAllEP): E / e experts a rank, the "
+            f"(token, expert) rows sent to their experts and back, balanced routing")
+    return replace(plan, notes=plan.notes + (note,))

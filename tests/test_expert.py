@@ -1,0 +1,68 @@
+"""Expert parallelism (symmem.passes.expert): what the pass does to a Mixtral's step, and the
+layouts it refuses. The bytes themselves are measured in tests/test_expert_measured.py."""
+
+import pytest
+
+import symmem as sm
+from symmem.errors import ConfigError
+from symmem.symbols import e
+
+MIXTRAL = dict(model_type="mixtral", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=2, vocab_size=100, num_local_experts=8, num_experts_per_tok=2)
+
+
+def _estimate(ep, config=MIXTRAL, **parallel):
+    spec = ",".join([f"ep={ep}"] + [f"{k}={v}" for k, v in parallel.items()])
+    return sm.estimate(sm.models.from_hf_config(config), sm.Policy("bf16-mixed", "adamw", "cuda", parallel=spec))
+
+
+def test_the_experts_states_are_split():
+    # Mixtral 8x7B: 3 * 8 * 14336 * 4096 expert weights a layer, 32 layers: 45,097,156,608 of its
+    # 46,702,792,704 parameters; at ep = 8 a rank holds one expert a layer
+    one = sm.estimate("mixtral-8x7b", sm.Policy("bf16-mixed", "adamw", "cuda")).at(b=1, s=4096)
+    eight = sm.estimate("mixtral-8x7b", sm.Policy("bf16-mixed", "adamw", "cuda", parallel="ep=8")).at(b=1, s=4096)
+    experts = 3 * 8 * 14336 * 4096 * 32
+    assert one.bytes["params"] == 4 * 46_702_792_704
+    assert eight.bytes["params"] == 4 * (46_702_792_704 - experts + experts // 8)
+    assert eight.bytes["optimizer"] == 2 * eight.bytes["params"]
+
+
+def test_a_symbolic_degree_is_the_numbers_it_is_bound_to():
+    sym = _estimate("e")
+    assert e in sym.peak.free_symbols
+    for n in (2, 4, 8):
+        assert sym.at(b=2, s=16, e=n).peak == _estimate(n).at(b=2, s=16).peak
+
+
+def test_the_degree_must_divide_the_experts():
+    with pytest.raises(ConfigError) as err:
+        _estimate(3)
+    assert "ep = 3 is not valid: expected a divisor of the 8 experts (num_local_experts)." in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        _estimate("e").at(b=2, s=16, e=3)
+    assert "E = 8 is not valid: expected a multiple of 3: each expert-parallel rank holds E / e whole experts" \
+        in str(err.value)
+
+
+@pytest.mark.parametrize("config,parallel,message", [
+    (dict(model_type="llama", hidden_size=32, intermediate_size=40, num_attention_heads=4, num_hidden_layers=2,
+          vocab_size=100), {}, "ep = 2 is not valid: expected 1 for llama: it has no mixture of experts (Mixtral's) "
+                               "to split. Leave --ep out."),
+    (MIXTRAL, {"tp": 2}, "ep = 2 is not valid: expected 1 beside --tp (expert parallelism with them is not modelled "
+                         "yet). Use --ep alone or beside --dp (DDP)."),
+    (MIXTRAL, {"dp": 8, "fsdp": "full"}, "ep = 2 is not valid: expected 1 with ZeRO, FSDP or offload (transformers "
+                                         "shards each expert over the dp / ep ranks holding a copy of it"),
+])
+def test_layouts_not_modelled_are_refused(config, parallel, message):
+    with pytest.raises(ConfigError) as err:
+        _estimate(2, config, **parallel)
+    assert message in str(err.value)
+
+
+def test_cli_takes_ep_and_names_its_flag(capsys):
+    from symmem.cli import main
+    assert main(["estimate", "--model", "mixtral-8x7b", "--batch", "1", "--seq", "4096", "--ep", "8",
+                 "--precision", "bf16-mixed"]) == 0
+    assert "expert parallel over ep = 8" in " ".join(capsys.readouterr().out.split())
+    assert main(["estimate", "--model", "mixtral-8x7b", "--batch", "1", "--seq", "4096", "--ep", "e"]) != 0
+    assert "Pass --ep E." in capsys.readouterr().err
