@@ -158,7 +158,9 @@ PARALLEL_OPTIONS = (
     ("--cp", "cp", str, "C", "context-parallel degree (torch's ring attention: each sequence split over C "
                              "ranks, 2C | seq; a number, or c)"),
     ("--ep", "ep", str, "E", "expert-parallel degree (transformers' AllToAllEP: a mixture of experts' E experts split "
-                             "over E ranks, balanced routing; a number, or e)"),
+                             "over E ranks; a number, or e)"),
+    ("--ep-load", "ep_load", str, "NAME", "routing over the expert-parallel ranks: balanced (default) | worst "
+                                          "(every pair on one rank's experts)"),
 )
 
 
@@ -870,7 +872,7 @@ def _policy_entries(part) -> list[tuple[str, str]]:
             "parallel": [("none", "one device"),
                          ("KEY=VALUE,...", "the fields of symmem.Parallel: dp, zero, fsdp, shard_size, offload, "
                                            "reduce_bucket, prefetch, tp, sp, pp, schedule, virtual_stages, "
-                                           "microbatches, cp, ep")],
+                                           "microbatches, cp, ep, ep_load")],
             "lora": [("none", "no adapters: every weight trained"),
                      ("R", "a rank >= 1: adapters A (R x in) and B (out x R) beside each target"),
                      ("r", "the rank as the symbol r, which stays in the formulas")],

@@ -66,3 +66,12 @@ def test_cli_takes_ep_and_names_its_flag(capsys):
     assert "expert parallel over ep = 8" in " ".join(capsys.readouterr().out.split())
     assert main(["estimate", "--model", "mixtral-8x7b", "--batch", "1", "--seq", "4096", "--ep", "e"]) != 0
     assert "Pass --ep E." in capsys.readouterr().err
+
+
+def test_worst_routing_is_e_times_the_rows_and_is_named():
+    balanced, worst = _estimate(4), _estimate(4, ep_load="worst")
+    assert worst.at(b=2, s=16).peak > balanced.at(b=2, s=16).peak
+    assert "worst routing" in worst.policy.describe()
+    with pytest.raises(ConfigError) as err:
+        sm.Parallel(ep=2, ep_load="skewed")
+    assert "ep_load = 'skewed' is not valid: expected one of balanced, worst." in str(err.value)

@@ -2,8 +2,9 @@
 ``apply_expert_parallelism`` with Mixtral's ``base_model_ep_plan``: the experts' weights sharded
 ``grouped_gemm``, the dispatch ``ep_dispatch_experts`` through ``AllToAllEP``) on a small
 ``MixtralForCausalLM``, 2 and 4 CPU processes (gloo), each training its own batch, the routing
-fixed balanced (a forward hook on the router, as in tests/test_mixtral_measured.py), beside
-:mod:`symmem.passes.expert`: every rank's parameters and each phase's maximum, to the byte."""
+fixed balanced or worst (a forward hook on the router, as in tests/test_mixtral_measured.py),
+beside :mod:`symmem.passes.expert`: every rank's parameters and each phase's maximum, to the
+byte. The all-to-alls run synchronously (:class:`_AllToAll`), as NCCL's lifetimes are."""
 
 import pytest
 
@@ -32,20 +33,48 @@ def _optimizer(kind, params):
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
-def _rank(rank, world_size, precision, E, K, optimizer, b, s):
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single_autograd`` run synchronously, returning once gloo's worker thread has
+    let go of its tensors (``symmem.measure_dist._released``), in forward and in backward: gloo's
+    worker otherwise drops a finished collective's input a timing-dependent moment later, where
+    NCCL's lets go of it at the wait (``_WaitTensor``, right after the call)."""
+
+    @staticmethod
+    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
+        from symmem.measure_dist import _released
+        ctx.splits, ctx.group = (output_split_sizes, input_split_sizes), group
+        out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
+        _released([out, x], lambda o, i: dist.all_to_all_single(o, i, output_split_sizes, input_split_sizes,
+                                                                 group=group))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from symmem.measure_dist import _released
+        out_sizes, in_sizes = ctx.splits
+        back = grad.new_empty((sum(in_sizes), *grad.shape[1:]))
+        _released([back, grad], lambda o, i: dist.all_to_all_single(o, i, in_sizes, out_sizes, group=ctx.group))
+        return back, None, None, None
+
+
+def _rank(rank, world_size, precision, E, K, optimizer, b, s, routing="balanced"):
     from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed import expert_parallel
     from transformers.distributed.expert_parallel import apply_expert_parallelism
+    expert_parallel.all_to_all_single_autograd = _AllToAll.apply
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(**{k: v for k, v in _config(E, K).items() if k != "model_type"})
     model = transformers.MixtralForCausalLM(cfg)
     model.train()
 
-    def balanced(module, args, out):     # token n's j-th pick: expert (n K + j) mod E, in place
+    def route(module, args, out):
+        # the router's indices rewritten in place (through .data: no allocation, no version bump):
+        # balanced, token n's j-th pick is expert (n K + j) mod E; worst, experts 0..K-1 (rank 0's)
         flat = out[2].data.view(-1)
         torch.arange(flat.numel(), out=flat)
-        flat.remainder_(E)
+        flat.remainder_(E if routing == "balanced" else K)
     for layer in model.model.layers:
-        layer.mlp.gate.register_forward_hook(balanced)
+        layer.mlp.gate.register_forward_hook(route)
     mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("ep", "tp"))
     plan = {}
     for i in range(cfg.num_hidden_layers):       # Mixtral's base_model_ep_plan, expanded
@@ -83,3 +112,20 @@ def test_mixtral_expert_parallel_rank_is_symmems(precision, ep, E, K, optimizer,
     for r in ranks:
         assert r.params == params
         assert r.step.phase_peaks == predicted
+
+
+@pytest.mark.parametrize("precision,ep", [("fp32", 2), ("bf16-mixed", 4)])
+def test_worst_routing_loads_one_rank(precision, ep):
+    # Every token's K = 2 picks are experts 0 and 1, both rank 0's; rank 0 receives every rank's b s K rows (ep b s K), the others none. symmem's ep_load="worst"
+    # is rank 0's step to the byte, every phase.
+    E, K, b, s = 2 * ep, 2, 2, 8
+    ranks = distributed_step(lambda r, w: _rank(r, w, precision, E, K, "sgd", b, s, "worst"), ep, steps=2,
+                             keep_timeline=False)
+    est = sm.estimate(sm.models.from_hf_config(_config(E, K)),
+                      sm.Policy(precision, "sgd", "cpu", "for-loop", parallel=f"ep={ep},ep_load=worst"))
+    subs = est._subs({"b": b, "s": s})
+    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+                 for ph in ("forward", "backward", "optimizer")}
+    assert ranks[0].step.phase_peaks == predicted
+    for r in ranks[1:]:
+        assert all(r.step.phase_peaks[ph] <= predicted[ph] for ph in predicted)

@@ -141,7 +141,7 @@ def moe_block(g: Graph, y: str) -> str:
     return moe
 
 
-def ep_experts(g: Graph, ep) -> str:
+def ep_experts(g: Graph, ep, worst: bool = False) -> str:
     """The experts of :func:`moe_block` under transformers' expert parallelism over ``ep``
     ranks (``distributed/expert_parallel.py``: the ``grouped_gemm`` style keeps ``E / ep``
     experts a rank, ``ep_dispatch_experts`` runs ``AllToAllEP`` in training), reading the
@@ -159,7 +159,7 @@ def ep_experts(g: Graph, ep) -> str:
     routing weights, summed over the K slots. Lifetimes follow the Python locals of
     ``_dispatch_tokens``, the experts' forward, ``_combine_tokens`` and ``AllToAllEP.__call__``."""
     N, S = b * s, b * s * K
-    R, E_r = S, E / ep
+    R, E_r = (ep * S if worst else S), E / ep
 
     def add(op, *inputs, name, **attrs):
         return g.add(op, *inputs, name=f"layers/mlp/{name}", **attrs)

@@ -11,10 +11,10 @@ in order, weighted and summed (:func:`symmem.models.mixtral.ep_experts`, every t
 lifetime). Each rank trains its own batch: the layers outside the experts are replicated (their
 gradients all-reduced by the data-parallel wrapper, not counted here).
 
-The rows a rank receives depend on the routing: the formulas take it balanced, ``R = b s K``
-(every expert gets ``b s K / E`` pairs from each rank), as transformers' ``AllToAllEP`` is
-dropless (no capacity factor). At worst every pair of every rank goes to one rank's experts,
-``R = e b s K``: not modelled. The degree stays the symbol ``e`` (bound where it is a number);
+The rows a rank receives depend on the routing (transformers' ``AllToAllEP`` is dropless: no
+capacity factor caps them): ``ep_load="balanced"`` (the default; every expert gets ``b s K / E``
+pairs from each rank) gives ``R = b s K``; ``"worst"`` (every pair of every rank on one rank's
+experts) gives that rank ``R = e b s K``. The degree stays the symbol ``e`` (bound where it is a number);
 the formulas require ``e | E``. Measured on 2 and 4 CPU processes with gloo
 (``tests/test_expert_measured.py``). Refused beside tensor, context or pipeline parallelism
 and beside ZeRO, FSDP or offload (transformers shards an expert over the ``dp / e`` ranks that
@@ -69,7 +69,7 @@ def prepare(graph, policy):
 
     def rewrite(node, sub) -> bool:
         if node.name == EXPERTS_OUT:
-            ep_experts(sub, ep)
+            ep_experts(sub, ep, worst=par.ep_load == "worst")
             return True
         return node.name.startswith(EXPERTS)          # the experts' other nodes: removed
 
@@ -83,5 +83,5 @@ def apply(plan, graph, policy):
         return plan
     from dataclasses import replace
     note = (f"expert parallel over e = {policy.parallel.ep} (transformers' AllToAllEP): E / e experts a rank, the "
-            f"(token, expert) rows sent to their experts and back, balanced routing")
+            f"(token, expert) rows sent to their experts and back, {policy.parallel.ep_load} routing")
     return replace(plan, notes=plan.notes + (note,))

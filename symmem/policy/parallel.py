@@ -26,7 +26,7 @@ import sympy
 from ..errors import ConfigError
 from ..symbols import c as _c, d as _d, e as _e, t as _t
 
-__all__ = ["Parallel", "FSDP", "OFFLOAD", "SCHEDULES", "DEGREES"]
+__all__ = ["Parallel", "FSDP", "OFFLOAD", "SCHEDULES", "DEGREES", "EP_LOADS"]
 
 #: FSDP's sharding strategies (torch.distributed.fsdp.ShardingStrategy; FSDP2's
 #: ``fully_shard(reshard_after_forward=...)`` and a 2-D mesh for hybrid).
@@ -51,6 +51,10 @@ SCHEDULES = {"gpipe": "every micro-batch's forward, then every backward (GPipe; 
                      "Megatron's default, torch's Schedule1F1B)",
              "interleaved": "1F1B over v chunks of layers per rank (Megatron's virtual pipeline stages; "
                             "torch's ScheduleInterleaved1F1B)"}
+#: How a mixture of experts' router spreads the (token, expert) pairs over the expert-parallel
+#: ranks (:mod:`symmem.passes.expert`): the rows the most loaded rank's experts receive.
+EP_LOADS = {"balanced": "every expert gets b s K / E pairs from each rank: a rank receives b s K rows",
+            "worst": "every pair of every rank goes to one rank's experts: it receives e b s K rows"}
 #: The degree fields, their symbol where symmem has one, and the option that sets them.
 DEGREES = {"dp": _d, "tp": _t, "pp": None, "cp": _c, "ep": _e}
 
@@ -89,7 +93,8 @@ class Parallel:
     ``"1f1b"`` or ``"interleaved"``; ``virtual_stages``: chunks of layers per rank (interleaved
     only); ``microbatches``: micro-batches per optimizer step, each of ``b``. ``cp``: ranks each
     sequence is split over (an integer or the symbol ``c``: torch's ring attention); ``ep``:
-    ranks a mixture of experts' experts are split over (an integer or the symbol ``e``). ``reduce_bucket``:
+    ranks a mixture of experts' experts are split over (an integer or the symbol ``e``);
+    ``ep_load``: ``"balanced"`` or ``"worst"`` routing over them (:data:`EP_LOADS`). ``reduce_bucket``:
     DeepSpeed's ``reduce_bucket_size`` (elements of its gradient bucket, 5e8 by default; FSDP
     has none); ``prefetch``: units gathered ahead of the one computed (ZeRO-3, FSDP; 1)."""
     dp: object = 1
@@ -104,6 +109,7 @@ class Parallel:
     microbatches: int = 1
     cp: object = 1
     ep: object = 1
+    ep_load: str = "balanced"
     offload: str = "none"
     reduce_bucket: int = 500_000_000
     prefetch: int = 1
@@ -126,6 +132,11 @@ class Parallel:
         if fsdp is not None and z:
             raise ConfigError("zero with fsdp", f"zero={z}, fsdp={fsdp}", "either a ZeRO stage or an FSDP strategy",
                               "FSDP is PyTorch's ZeRO: --fsdp full is stage 3, --fsdp grad-op stage 2; give one.")
+        load = str(self.ep_load).lower()
+        if load not in EP_LOADS:
+            raise ConfigError("ep_load", self.ep_load, f"one of {', '.join(EP_LOADS)}",
+                              "balanced: each rank's experts receive b s K rows; worst: one rank's receive all e b s K.")
+        object.__setattr__(self, "ep_load", load)
         off = str(self.offload).lower()
         if off not in OFFLOAD:
             raise ConfigError("offload", self.offload, f"one of {', '.join(OFFLOAD)}")
@@ -288,7 +299,8 @@ class Parallel:
             ring = f"context parallel over cp = {self.cp} (ring attention)"
             tensor = f"{tensor}, {ring}" if tensor else ring
         if not _is_one(self.ep):
-            experts = f"expert parallel over ep = {self.ep} (E / ep experts a rank, all-to-all dispatch)"
+            experts = (f"expert parallel over ep = {self.ep} (E / ep experts a rank, all-to-all dispatch, "
+                       f"{self.ep_load} routing)")
             tensor = f"{tensor}, {experts}" if tensor else experts
         if self.pp > 1:
             chunks = f", {self.virtual_stages} chunks per rank" if self.virtual_stages > 1 else ""
