@@ -4,8 +4,9 @@
 global batch, and tries every layout symmem models: GPU counts 1, 2, 4, ... up to
 ``max_gpus``; Megatron's tensor parallelism with sequence parallelism over ``tp`` = 1, 2, 4, 8
 (within a node of eight); pipeline stages ``pp`` = 1, 2, 4, ... up to ``max_pp`` that divide
-the layers, 1F1B (Megatron's default schedule); the rest data-parallel, ``dp = gpus / (tp *
-pp)``; DDP, ZeRO 1-3 and FSDP full sharding (with ``tp`` = 1: ZeRO with tensor parallelism is
+the layers, 1F1B (Megatron's default schedule); with ``max_cp`` > 1, context parallelism over
+``cp`` = 2, 4, ... ``max_cp`` ranks with ``2 cp | seq`` (torch's ring attention: long
+sequences); the rest data-parallel, ``dp = gpus / (tp * pp * cp)``; DDP, ZeRO 1-3 and FSDP full sharding (with ``tp`` = 1: ZeRO with tensor parallelism is
 not modelled yet; beside a pipeline DDP and ZeRO-1 only, as Megatron and DeepSpeed's pipeline
 engine allow); no recomputation, selective or full; and the largest micro-batch ``b`` dividing
 ``global_batch / dp`` whose step fits, with ``k = global_batch / (dp * b)`` micro-batches
@@ -19,7 +20,8 @@ count. Accumulating ``k >= 2`` micro-batches peaks as two do (the later micro-ba
 alike: each runs beside the gradients the first left), so ``accumulate=2`` stands for all; a
 1F1B pipeline with ``k >= pp + 1`` micro-batches peaks as with ``pp + 1`` (the first stage's
 last warm-up forwards run beside the first backward's gradients from ``pp + 1`` on; ``k = pp``
-is derived on its own).
+is derived on its own). Context parallelism is derived with its degree ``c`` a symbol for ``cp``
+>= 4 and on its own for ``cp = 2`` (whose ring has one step fewer).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ _PIPELINE_SHARDINGS = ("ddp", "zero-1")
 
 @dataclass(frozen=True)
 class Layout:
-    """One layout that fits: ``gpus = dp * tp * pp``; ``sharding`` one of :data:`SHARDINGS`'
+    """One layout that fits: ``gpus = dp * tp * pp * cp``; ``sharding`` one of :data:`SHARDINGS`'
     names ("none" on one data-parallel rank); ``micro_batch`` b and ``accumulate`` k with ``dp
     * b * k`` the global batch (under a pipeline, k is its micro-batches per step); ``peak``
     the most loaded rank's exact bytes, ``usable`` the budget's."""
@@ -60,6 +62,7 @@ class Layout:
     usable: int
     bytes: dict
     pp: int = 1
+    cp: int = 1
 
     @property
     def headroom(self) -> int:
@@ -70,10 +73,11 @@ class Layout:
         """The layout as ``--parallel`` takes it."""
         return _spec({"dp": self.dp, **dict(SHARDINGS).get(self.sharding, {}),
                       **({"tp": self.tp, "sp": True} if self.tp > 1 else {}),
-                      **({"pp": self.pp, "microbatches": self.accumulate} if self.pp > 1 else {})})
+                      **({"pp": self.pp, "microbatches": self.accumulate} if self.pp > 1 else {}),
+                      **({"cp": self.cp} if self.cp > 1 else {})})
 
     def as_dict(self) -> dict:
-        return {"gpus": self.gpus, "dp": self.dp, "tp": self.tp, "sp": self.sp, "pp": self.pp,
+        return {"gpus": self.gpus, "dp": self.dp, "tp": self.tp, "sp": self.sp, "pp": self.pp, "cp": self.cp,
                 "schedule": "1f1b" if self.pp > 1 else None, "zero": _zero(self.sharding),
                 "fsdp": "full" if self.sharding == "fsdp-full" else None, "recompute": self.recompute,
                 "micro_batch": self.micro_batch, "accumulate": self.accumulate, "parallel": self.parallel,
@@ -85,13 +89,15 @@ def _zero(sharding: str) -> int:
 
 
 def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mixed",
-        optimizer: str = "adamw", device: str = "cuda", max_gpus: int = 64, max_pp: int = 8, reserve=None,
-        derive=estimate) -> list[Layout]:
+        optimizer: str = "adamw", device: str = "cuda", max_gpus: int = 64, max_pp: int = 8, max_cp: int = 1,
+        reserve=None, derive=estimate) -> list[Layout]:
     """Every layout of the module docstring that fits ``budget`` (minus ``reserve``: symmem's
     10% rule by default), fewest GPUs first, then the lowest peak. ``max_pp``: the most
-    pipeline stages tried (1: none). ``derive(graph, policy)`` makes the estimates (the command
-    line passes the cached one)."""
-    for name, v in (("seq", seq), ("global batch", global_batch), ("max gpus", max_gpus), ("max pp", max_pp)):
+    pipeline stages tried (1: none); ``max_cp``: the most context-parallel ranks tried (1, the
+    default: none). ``derive(graph, policy)`` makes the estimates (the command line passes the
+    cached one)."""
+    for name, v in (("seq", seq), ("global batch", global_batch), ("max gpus", max_gpus), ("max pp", max_pp),
+                    ("max cp", max_cp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(name, v, "a positive integer")
     bud = as_budget(budget, reserve)
@@ -100,36 +106,41 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
 
     def est(kind: tuple) -> Estimate | None:
         """The estimate of a kind of layout (tp > 1, sharding, recompute, accumulate, one
-        data-parallel rank, pp, micro-batches); None where the model refuses it (the stages do
-        not divide its layers)."""
+        data-parallel rank, pp, micro-batches, cp: 1, 2 or "c"); None where the model refuses it
+        (the stages do not divide its layers; its attention does not run as a ring)."""
         if kind not in kinds:       # one data-parallel rank: no DDP buckets, nothing sharded
-            tp, sharding, recompute, accumulate, one_rank, pp, m = kind
+            tp, sharding, recompute, accumulate, one_rank, pp, m, cp = kind
             data = {} if one_rank else {"dp": "d", **dict(SHARDINGS)[sharding]}
             par = {**data, **({"tp": "t", "sp": True} if tp else {}),
-                   **({"pp": pp, "microbatches": m} if pp > 1 else {})} or {"dp": 1}
+                   **({"pp": pp, "microbatches": m} if pp > 1 else {}),
+                   **({"cp": cp} if cp != 1 else {})} or {"dp": 1}
             try:
                 kinds[kind] = derive(graph, Policy(precision, optimizer, device, recompute=recompute,
                                                    accumulate=accumulate, parallel=_spec(par)))
             except ConfigError:
-                if pp == 1:
+                if pp == 1 and cp == 1:
                     raise
                 kinds[kind] = None
         return kinds[kind]
 
+    contexts = [x for x in counts if x == 1 or (x <= max_cp and seq % (2 * x) == 0)]
     out = []
     for gpus in counts:
-        for pp in (x for x in counts if x <= max_pp and gpus % x == 0):
-            for tp in (x for x in TENSOR if (gpus // pp) % x == 0):
-                dp = gpus // (tp * pp)
-                if global_batch % dp:
-                    continue
-                for sharding, fields in SHARDINGS:
-                    if (tp > 1 and fields) or (dp == 1 and fields) or (pp > 1 and sharding not in _PIPELINE_SHARDINGS):
-                        continue                # ZeRO with tp; sharding one rank; ZeRO 2-3 beside a pipeline
-                    for recompute in RECOMPUTE:
-                        layout = _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, sharding, recompute)
-                        if layout is not None:
-                            out.append(layout)
+        for cp in (x for x in contexts if gpus % x == 0):
+            for pp in (x for x in counts if x <= max_pp and (gpus // cp) % x == 0):
+                for tp in (x for x in TENSOR if (gpus // (pp * cp)) % x == 0):
+                    dp = gpus // (tp * pp * cp)
+                    if global_batch % dp:
+                        continue
+                    for sharding, fields in SHARDINGS:
+                        if (tp > 1 and fields) or (dp == 1 and fields) or \
+                                (pp > 1 and sharding not in _PIPELINE_SHARDINGS):
+                            continue            # ZeRO with tp; sharding one rank; ZeRO 2-3 beside a pipeline
+                        for recompute in RECOMPUTE:
+                            layout = _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding,
+                                                    recompute)
+                            if layout is not None:
+                                out.append(layout)
     return sorted(out, key=lambda x: (x.gpus, x.peak))
 
 
@@ -137,7 +148,7 @@ def _spec(fields: dict) -> str:
     return ",".join(f"{k}={1 if v is True else v}" for k, v in fields.items())
 
 
-def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, sharding, recompute) -> Layout | None:
+def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding, recompute) -> Layout | None:
     """The largest micro-batch dividing ``global_batch / dp`` that fits (None if none does)."""
     per_rank = global_batch // dp
     no_accumulation = sharding in ("zero-2", "zero-3", "fsdp-full")
@@ -145,30 +156,35 @@ def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, sharding, reco
         k = per_rank // b
         if (k > 1 and no_accumulation) or k < pp:
             continue
+        ring = cp if cp <= 2 else "c"         # c >= 4 from one derivation; c = 2 on its own
         if pp > 1:      # k micro-batches through the pipeline; pp + 1 stands for more
-            kind = (tp > 1, sharding, recompute, 1, dp == 1, pp, min(k, pp + 1))
+            kind = (tp > 1, sharding, recompute, 1, dp == 1, pp, min(k, pp + 1), ring)
         else:
-            kind = (tp > 1, sharding, recompute, 1 if k == 1 else 2, dp == 1, 1, 1)
+            kind = (tp > 1, sharding, recompute, 1 if k == 1 else 2, dp == 1, 1, 1, ring)
         e = est(kind)
         if e is None:
             return None
-        values = {"b": b, "s": seq, **({"d": dp} if dp > 1 else {}), **({"t": tp} if tp > 1 else {})}
+        values = {"b": b, "s": seq, **({"d": dp} if dp > 1 else {}), **({"t": tp} if tp > 1 else {}),
+                  **({"c": cp} if ring == "c" else {})}
         try:
             ev = e.at(**values)
         except ConfigError:             # t does not divide the heads, s past the model's limit
             return None
         if ev.peak <= bud.usable:
             name = "none" if dp == 1 else sharding
-            return Layout(gpus, dp, tp, tp > 1, name, recompute, b, k, ev.peak, bud.usable, dict(ev.bytes), pp=pp)
+            return Layout(gpus, dp, tp, tp > 1, name, recompute, b, k, ev.peak, bud.usable, dict(ev.bytes), pp=pp,
+                          cp=cp)
     return None
 
 
 def table(layouts: list[Layout]) -> str:
-    """The layouts as the command line prints them."""
-    head = (f"{'gpus':>5} {'dp':>4} {'tp':>3} {'pp':>3}  {'sharding':<10} {'recompute':<10} {'b':>4} {'k':>4}"
-            f"  {'peak':>11}  {'headroom':>11}")
+    """The layouts as the command line prints them (a ``cp`` column where one has cp > 1)."""
+    ring = any(x.cp > 1 for x in layouts)
+    head = (f"{'gpus':>5} {'dp':>4} {'tp':>3} {'pp':>3}" + (f" {'cp':>3}" if ring else "")
+            + f"  {'sharding':<10} {'recompute':<10} {'b':>4} {'k':>4}  {'peak':>11}  {'headroom':>11}")
     rows = [head]
     for x in layouts:
-        rows.append(f"{x.gpus:>5} {x.dp:>4} {x.tp:>3} {x.pp:>3}  {x.sharding:<10} {x.recompute:<10} "
-                    f"{x.micro_batch:>4} {x.accumulate:>4}  {format_bytes(x.peak):>11}  {format_bytes(x.headroom):>11}")
+        rows.append(f"{x.gpus:>5} {x.dp:>4} {x.tp:>3} {x.pp:>3}" + (f" {x.cp:>3}" if ring else "")
+                    + f"  {x.sharding:<10} {x.recompute:<10} {x.micro_batch:>4} {x.accumulate:>4}"
+                    f"  {format_bytes(x.peak):>11}  {format_bytes(x.headroom):>11}")
     return "\n".join(rows)

@@ -93,3 +93,20 @@ def test_nothing_fits_and_bad_input(capsys):
     assert "no layout of up to 1 GPUs fits" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="global batch = 0 is not valid: expected a positive integer"):
         fit(sm.models.preset("gpt2"), budget(bytes="16GiB"), 1024, 0)
+
+
+def test_context_parallel_layouts_are_their_estimates():
+    # a small Llama at s = 4096, one sequence a step, on 24 MiB - 10%: with --max-cp 4 the search
+    # adds cp = 2 (derived on its own) and cp = 4 (from the derivation in the symbol c), beside
+    # tp; each such layout's peak is its own numeric derivation's
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=2, vocab_size=100, max_position_embeddings=1 << 20)
+    g = sm.models.from_hf_config(cfg)
+    layouts = fit(g, budget(bytes="24MiB"), 4096, 1, max_gpus=4, max_pp=1, max_cp=4)
+    assert {x.cp for x in layouts} == {1, 2, 4}
+    for x in layouts:
+        assert x.gpus == x.dp * x.tp * x.pp * x.cp
+        if x.cp > 1:
+            assert f"cp={x.cp}" in x.parallel and x.as_dict()["cp"] == x.cp
+            own = sm.estimate(g, sm.Policy("bf16-mixed", "adamw", "cuda", recompute=x.recompute, parallel=x.parallel))
+            assert own.at(b=x.micro_batch, s=4096).peak == x.peak <= x.usable
