@@ -77,11 +77,8 @@ def _active(policy) -> bool:
 
 
 def _nodes(graph):
-    for item in graph.items:
-        if isinstance(item, Node):
-            yield item
-        elif hasattr(item, "body"):
-            yield from _nodes(item.body)
+    """Every node of ``graph``, repeated bodies included."""
+    return (n for g in graph.graphs() for n in g.items if isinstance(n, Node))
 
 
 def kernels(graph) -> dict:

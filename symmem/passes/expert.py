@@ -36,11 +36,8 @@ def _active(policy) -> bool:
 
 
 def _nodes(graph):
-    for item in graph.items:
-        if isinstance(item, Node):
-            yield item
-        elif hasattr(item, "body"):
-            yield from _nodes(item.body)
+    """Every node of ``graph``, repeated bodies included."""
+    return (n for g in graph.graphs() for n in g.items if isinstance(n, Node))
 
 
 def prepare(graph, policy):
@@ -62,7 +59,7 @@ def prepare(graph, policy):
         raise ConfigError("ep", ep, "1 with ZeRO, FSDP or offload (transformers shards each expert over the "
                           "dp / ep ranks holding a copy of it, the other layers over dp: not modelled yet)",
                           "Use --ep alone or beside --dp (DDP).")
-    bound = graph.bindings.get(E, graph.bindings.get("E"))
+    bound = graph.bindings.get(E)
     if isinstance(ep, int) and bound is not None and int(bound) % ep:
         raise ConfigError("ep", ep, f"a divisor of the {int(bound)} experts (num_local_experts)",
                           "Each rank holds E / ep whole experts.")
