@@ -143,6 +143,12 @@ def test_ring_attention_peaks_are_the_formulas(c, dtype, heads):
     assert {r[0] for r in ranks} == {start}
     assert max(r[1] for r in ranks) == predicted_forward
     assert max(r[2] for r in ranks) == predicted_backward
+    if (c, dtype, heads) == (4, "float32", (2, 2)):
+        # Q = 2*2*8*16*4 = 2,048, KV = 4,096, L = 4*2*2*8 = 128. Forward: q, k, v 6,144 + output
+        # and log-sum-exp 2,176 + the merge c KV + 3 Q + 2 L = 16,384 + 6,144 + 256. Backward: 6,144
+        # + 2,176 + the loss and its gradient 8 + the kernel's gradients 6,144 + rank 0's half-query
+        # step Qf + 3 KVf + (c + 2) KV + Q/2 + L/2 = 2,048 + 12,288 + 24,576 + 1,024 + 64.
+        assert (predicted_forward, predicted_backward) == (31_104, 54_472)
 
 
 # --------------------------------------------------------------------------- a Llama, c ranks
