@@ -45,17 +45,30 @@ class Solution:
     value: int
     total: int                  # the device's bytes (M)
     reserve: int                # bytes set aside (R)
-    at_value: Evaluation        # exact bytes at the answer: peak <= total - reserve
-    past_value: Evaluation | None   # one step past it (value + 1, or value - 1): peak > usable
     binding: Point              # the candidate of the peak that crosses the budget
     fixed: dict
     limit: str | None = None    # set when the model's own limit, not memory, stops the search
     step: int | None = None     # the value one step past the answer (value +- 1, or the next
                                 # multiple or divisor the model allows); None: past_value's
+    past: bool = False          # is there a value one step past it to show (past_value)?
     closed: tuple | None = field(default=None, repr=False, compare=False)
     # what _boundary needs, (x, subs); None where there is no closed form (multiples, divisors,
     # the model's limit). The boundary is derived when first read: a solve that is not shown
     # does not pay sympy's time for it.
+    est: object = field(default=None, repr=False, compare=False)
+    # the estimate solved: at_value and past_value are its exact evaluations, made when first
+    # read (the search has already compared those peaks with the budget in exact integers)
+
+    @cached_property
+    def at_value(self) -> Evaluation:
+        """Exact bytes at the answer: peak <= total - reserve."""
+        return self.est.at(**self.fixed, **{self.symbol: self.value})
+
+    @cached_property
+    def past_value(self) -> Evaluation | None:
+        """Exact bytes one step past it (the next value the model allows): peak > usable; None
+        where no value is past it (the model's own limit)."""
+        return self.est.at(**self.fixed, **{self.symbol: self.step}) if self.past else None
 
     @cached_property
     def _forms(self) -> tuple:
@@ -213,10 +226,14 @@ def _frontier(polys: list) -> list:
     (value at 1, slope), found by one sort. Otherwise all of them."""
     if any(c is None or len(c) > 2 for c, _ in polys):
         return list(range(len(polys)))
+    common = 1                          # over one denominator: whole numbers compare fast
+    for _, den in polys:
+        common = common * den // gcd(common, den)
     points = []
     for i, (c, den) in enumerate(polys):
         slope, const = (c[0], c[1]) if len(c) == 2 else (0, c[0] if c else 0)
-        points.append((Fraction(slope + const, den), Fraction(slope, den), i))
+        scale = common // den
+        points.append(((slope + const) * scale, slope * scale, i))
     points.sort(key=lambda p: (-p[0], -p[1], p[2]))
     keep, steepest = [], None
     for _, slope, i in points:
@@ -261,22 +278,19 @@ def solve(est: Estimate, symbol: str, budget, *, reserve=None, direction: str = 
         k = _search_max(peak, dom, usable, est, symbol, fixed)
         value = dom.value(k)
         if k == dom.last:               # the model's own limit, not memory, ends the search
-            at_value = est.at(**fixed, **{symbol: value})
-            bind = peak.binding(value)
-            return Solution(symbol, direction, value, total, res, at_value, None, bind,
-                            dict(fixed), limit=dom.why)
+            return Solution(symbol, direction, value, total, res, peak.binding(value), dict(fixed), limit=dom.why,
+                            est=est)
         step = dom.value(k + 1) if dom.last is None or k < dom.last else None
     else:
         k = _search_min(peak, dom, usable, est, symbol, fixed)
         value = dom.value(k)
         step = dom.value(k - 1) if k > 1 else None
-    at_value = est.at(**fixed, **{symbol: value})
-    past = est.at(**fixed, **{symbol: step}) if step is not None and not _beyond(est, fixed, symbol, step) else None
-    bind = peak.binding(step if past is not None else value)
+    past = step is not None and not _beyond(est, fixed, symbol, step)
+    bind = peak.binding(step if past else value)
     # a closed form of the boundary where every integer is allowed (not multiples or divisors)
     closed = (x, subs) if dom.step == 1 and dom.divisors is None else None
-    return Solution(symbol, direction, value, total, res, at_value, past, bind, dict(fixed),
-                    step=step, closed=closed)
+    return Solution(symbol, direction, value, total, res, bind, dict(fixed), step=step, past=past, closed=closed,
+                    est=est)
 
 
 def _askable(est: Estimate, x) -> None:
@@ -305,8 +319,8 @@ class _Domain:
             lv, rv = sp.sympify(lhs).xreplace(subs), sp.sympify(rhs).xreplace(subs)
             if kind == "divides" and rv == x and lv.is_Integer:
                 self.step = int(lv)
-            elif kind == "divides" and rv.is_Integer and (lv / x).is_Integer:   # m x | n: x divides n / m
-                m, n = int(lv / x), int(rv)
+            elif kind == "divides" and rv.is_Integer and x in lv.free_symbols and (lv / x).is_Integer:
+                m, n = int(lv / x), int(rv)          # m x | n: x divides n / m
                 self.divisors = [d for d in (self.divisors or range(1, n + 1)) if n % (m * d) == 0]
                 self.why = (self.why + "; " if self.why else "") + f"{lhs} divides {rhs} = {n}: {reason}"
             elif kind == "at most" and lv == x and rv.is_Integer:
