@@ -163,9 +163,9 @@ class Parallel:
             raise ConfigError("dp with fsdp hybrid", self.dp, f"a multiple of the shard group's {ss} ranks",
                               f"HYBRID_SHARD shards within groups of shard_size = {ss} ranks and replicates "
                               f"across them; use --dp {ss * max(1, self.dp // ss)} or --shard-size.")
-        self._refuse_unmodelled()
+        self._check_layout()
 
-    def _refuse_unmodelled(self):
+    def _check_layout(self):
         """Sequence parallelism needs tensor parallelism; the pipeline's schedule checked."""
         if self.sp and _is_one(self.tp):
             raise ConfigError("sp", True, "tensor parallelism beside it (tp > 1): sequence parallelism splits "
@@ -231,8 +231,8 @@ class Parallel:
 
     @property
     def is_single(self) -> bool:
-        """One device: one data-parallel rank (:attr:`data_single`), no tensor, pipeline or
-        context parallelism."""
+        """One device: one data-parallel rank (:attr:`data_single`), no tensor, pipeline, context
+        or expert parallelism."""
         return self.data_single and _is_one(self.tp) and self.pp == 1 and _is_one(self.cp) and _is_one(self.ep)
 
     def micro_batch(self, global_batch: int, accumulate: int = 1):
@@ -252,7 +252,8 @@ class Parallel:
         return sympy.Integer(global_batch) / ranks
 
     def bindings(self) -> dict:
-        """``{d: dp, t: tp, c: cp}`` where they are numbers (the formulas stay in d, t and c)."""
+        """``{d: dp, t: tp, c: cp, e: ep}`` where they are numbers (the formulas stay in the
+        symbols given)."""
         return {sym: sympy.Integer(v) for sym, v in ((_d, self.dp), (_t, self.tp), (_c, self.cp), (_e, self.ep))
                 if isinstance(v, int)}
 
