@@ -323,6 +323,10 @@ class Graph:
         """The repeated blocks, in order."""
         return [item for item in self.items if isinstance(item, Repeat)]
 
+    def nodes(self):
+        """Every node, those of the repeated bodies included (each once)."""
+        return (n for g in self.graphs() for n in g.items if isinstance(n, Node))
+
     # ----- rewriting: new graphs, this one unchanged ------------------------------
     def _copy(self, items) -> "Graph":
         g = Graph(self.name, dict(self.bindings))

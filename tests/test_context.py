@@ -71,15 +71,6 @@ def test_beside_tensor_parallelism_the_ring_splits_over_the_heads():
     assert both.at(b=2, s=64).peak < _estimate(2).at(b=2, s=64).peak
 
 
-def test_cli_takes_cp_and_names_its_flag(capsys):
-    from symmem.cli import main
-    assert main(["estimate", "--model", "llama-2-7b", "--batch", "1", "--seq", "8192", "--cp", "2",
-                 "--precision", "bf16-mixed"]) == 0
-    assert "context parallel over cp = 2 (ring attention)" in " ".join(capsys.readouterr().out.split())
-    assert main(["estimate", "--model", "llama-2-7b", "--batch", "1", "--seq", "8192", "--cp", "c"]) != 0
-    assert "Pass --cp C." in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("precision,first,merge", [
     # b = 2, s = 64, c = 4: n = 16 positions a rank, a = 4 heads of d = 8, k = 2 key-value heads.
     # fp32: Q = 4 * 2 * 4 * 16 * 8 = 4,096, KV = 2 * 4 * 2 * 2 * 16 * 8 = 4,096, L = 4 * 2 * 4 * 16

@@ -59,15 +59,6 @@ def test_layouts_not_modelled_are_refused(config, parallel, message):
     assert message in str(err.value)
 
 
-def test_cli_takes_ep_and_names_its_flag(capsys):
-    from symmem.cli import main
-    assert main(["estimate", "--model", "mixtral-8x7b", "--batch", "1", "--seq", "4096", "--ep", "8",
-                 "--precision", "bf16-mixed"]) == 0
-    assert "expert parallel over ep = 8" in " ".join(capsys.readouterr().out.split())
-    assert main(["estimate", "--model", "mixtral-8x7b", "--batch", "1", "--seq", "4096", "--ep", "e"]) != 0
-    assert "Pass --ep E." in capsys.readouterr().err
-
-
 def test_worst_routing_is_e_times_the_rows_and_is_named():
     balanced, worst = _estimate(4), _estimate(4, ep_load="worst")
     assert worst.at(b=2, s=16).peak > balanced.at(b=2, s=16).peak

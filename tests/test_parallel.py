@@ -265,3 +265,15 @@ def test_single_device_layouts_change_nothing(graph):
     a = est(graph, "none").at(b=2, s=16)
     b_ = est(graph, "reduce_bucket=0,prefetch=2").at(b=2, s=16)
     assert a.bytes == b_.bytes and a.peak_point.where == b_.peak_point.where
+
+
+@pytest.mark.parametrize("model,seq,flag,words", [
+    ("llama-2-7b", "8192", "--cp", "context parallel over cp = 2 (ring attention)"),
+    ("mixtral-8x7b", "4096", "--ep", "expert parallel over ep = 2"),
+])
+def test_cli_takes_a_degree_and_names_its_flag(capsys, model, seq, flag, words):
+    base = ["estimate", "--model", model, "--batch", "1", "--seq", seq, "--precision", "bf16-mixed"]
+    assert main(base + [flag, "2"]) == 0
+    assert words in " ".join(capsys.readouterr().out.split())
+    assert main(base + [flag, flag[2]]) != 0            # the degree left a symbol: no number to print
+    assert f"Pass {flag} {flag[2].upper()}." in capsys.readouterr().err

@@ -71,29 +71,19 @@ __all__ = ["prepare", "apply", "ring_forward", "ring_backward", "FUSED"]
 FUSED = ("flash", "mem-efficient", "cudnn")
 
 
-def _active(policy) -> bool:
-    cp = policy.parallel.cp
-    return not (isinstance(cp, int) and cp == 1)
-
-
-def _nodes(graph):
-    """Every node of ``graph``, repeated bodies included."""
-    return (n for g in graph.graphs() for n in g.items if isinstance(n, Node))
-
-
 def kernels(graph) -> dict:
     """{name: node} of the fused attention kernels of ``graph`` (after the attention pass)."""
-    return {n.name: n for n in _nodes(graph) if n.op == "sdpa_kernel"}
+    return {n.name: n for n in graph.nodes() if n.op == "sdpa_kernel"}
 
 
 def prepare(graph, policy):
     """The graph as it is, after refusing what ring attention does not run."""
-    if not _active(policy):
+    if not policy.parallel.splits("cp"):
         return graph
     cp = policy.parallel.cp
     fix = "Use --attention sdpa or flash on a causal decoder (Llama, Mistral, Qwen2, GPT-2, ...), or leave --cp out."
     found = kernels(graph)
-    for n in _nodes(graph):
+    for n in graph.nodes():
         kernel = n.attr("attention_kernel")
         if kernel is not None and kernel not in FUSED:
             raise ConfigError("cp", cp, f"1 with the {kernel} attention kernel: ring attention merges the "
@@ -161,7 +151,7 @@ class _Ring:
 
 
 def apply(plan: Plan, graph, policy) -> Plan:
-    if not _active(policy):
+    if not policy.parallel.splits("cp"):
         return plan
     from ..footprints import trace
     found = kernels(graph)
@@ -172,7 +162,9 @@ def apply(plan: Plan, graph, policy) -> Plan:
 
     def event(e, forward: bool):
         if isinstance(e, Compute) and e.node in found:
-            ring = rings.setdefault((e.node, e.copy), _Ring(e, found[e.node], info, bindings))
+            if (e.node, e.copy) not in rings:
+                rings[(e.node, e.copy)] = _Ring(e, found[e.node], info, bindings)
+            ring = rings[(e.node, e.copy)]
             moments = ring_forward(ring.q, ring.kv, ring.lse, ring.half, ring.clones, later_cat)
             merged = replace(e, temp=e.temp + moments["merge"])
             if not forward:                       # recomputed in backward: the merge only

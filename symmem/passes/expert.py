@@ -24,30 +24,19 @@ policy refuses a parallel layout there).
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ..graph import Node
 from ..symbols import E, e
 
 __all__ = ["prepare", "apply"]
 
 
-def _active(policy) -> bool:
-    ep = policy.parallel.ep
-    return not (isinstance(ep, int) and ep == 1)
-
-
-def _nodes(graph):
-    """Every node of ``graph``, repeated bodies included."""
-    return (n for g in graph.graphs() for n in g.items if isinstance(n, Node))
-
-
 def prepare(graph, policy):
     """The graph with each mixture of experts' experts run as one of ``e`` ranks runs them."""
-    if not _active(policy):
+    if not policy.parallel.splits("ep"):
         return graph
     from ..models.mixtral import EXPERTS, EXPERTS_OUT, ep_experts
     par = policy.parallel
     ep = par.ep
-    if not any(n.name == EXPERTS_OUT for n in _nodes(graph)):
+    if not any(n.name == EXPERTS_OUT for n in graph.nodes()):
         raise ConfigError("ep", ep, f"1 for {graph.name}: it has no mixture of experts (Mixtral's) to split",
                           "Leave --ep out.")
     others = [name for name, on in (("--tp", not isinstance(par.tp, int) or par.tp > 1),
@@ -76,7 +65,7 @@ def prepare(graph, policy):
 
 
 def apply(plan, graph, policy):
-    if not _active(policy):
+    if not policy.parallel.splits("ep"):
         return plan
     from dataclasses import replace
     note = (f"expert parallel over e = {policy.parallel.ep} (transformers' AllToAllEP): E / e experts a rank, the "

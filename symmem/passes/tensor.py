@@ -82,11 +82,6 @@ def _kind(node: Node) -> str | None:
     return None
 
 
-def _active(policy) -> bool:
-    tp = policy.parallel.tp
-    return not (isinstance(tp, int) and tp == 1)
-
-
 def _check(graph, policy) -> None:
     if policy.parallel.sharded or policy.parallel.offload != "none":
         raise ConfigError("tp", str(policy.parallel.tp), "1 with ZeRO, FSDP or offload (their units of "
@@ -144,7 +139,7 @@ def sharded_nodes(graph) -> tuple[set, dict, set]:
 def prepare(graph, policy):
     """The graph as it is (the rules trace whole shapes; :func:`apply` divides the bytes),
     after refusing what is not modelled with tensor parallelism."""
-    if _active(policy):
+    if policy.parallel.splits("tp"):
         _check(graph, policy)
     return graph
 
@@ -173,7 +168,7 @@ def _split_params(graph, kinds: dict) -> dict:
 
 
 def apply(plan: Plan, graph, policy) -> Plan:
-    if not _active(policy):
+    if not policy.parallel.splits("tp"):
         return plan
     split, kinds, inside = sharded_nodes(graph)
     shapes = _split_params(graph, kinds)

@@ -200,6 +200,11 @@ class Parallel:
         """The ZeRO stage whose states the layout shards: FSDP full and hybrid are 3, grad-op 2."""
         return {"full": 3, "hybrid": 3, "grad-op": 2}.get(self.fsdp, self.zero)
 
+    def splits(self, degree: str) -> bool:
+        """Does the degree ``degree`` ("tp", "cp", "ep", ...) split the step: a number above 1
+        or a symbol?"""
+        return not _is_one(getattr(self, degree))
+
     @property
     def sharded(self) -> bool:
         return self.stage >= 1
