@@ -24,7 +24,7 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ConfigError, ShapeError
-from .core import F32, DType, Footprint, Saved, TensorInfo, _grads, _promote, rule
+from .core import F32, DType, Footprint, Saved, TensorInfo, _grads, _promote, _same, rule
 
 BYTE = DType("uint8", sp.Integer(1), 0)
 
@@ -35,7 +35,7 @@ def _qkv(node, ins):
     q, k, v = ins[:3]
     if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
         raise ShapeError(node.name, (q.shape, k.shape, v.shape), "(batch, heads, sequence, head_dim) q, k and v")
-    if sp.simplify(q.shape[-1] - k.shape[-1]) != 0:
+    if not _same(q.shape[-1], k.shape[-1]):
         raise ShapeError(node.name, (q.shape, k.shape), "q and k with the same head dimension")
     return q, k, v
 

@@ -235,6 +235,12 @@ def _grads(ins, mode="new"):
     return tuple(mode if x.requires_grad else None for x in ins)
 
 
+def _same(x, y) -> bool:
+    """Are the sizes ``x`` and ``y`` (products and ratios of symbols) equal? Their difference
+    expanded is 0 (no ``simplify``: a shape check runs at every node of a derivation)."""
+    return sp.expand(x - y) == 0
+
+
 def _promote(*dts: DType) -> DType:
     """Type promotion: the highest rank wins; of equal ranks, the first."""
     return max(dts, key=lambda d: d.rank)

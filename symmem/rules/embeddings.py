@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .core import F32, I64, Footprint, Saved, TensorInfo, _grads, _promote, rule
+from .core import F32, I64, Footprint, Saved, TensorInfo, _grads, _promote, _same, rule
 
 __all__ = ["embedding_rule", "positions_rule", "position_embedding_rule", "causal_mask_rule", "rotary_rule",
            "rope_rule", "ones_like_ids_rule", "cumsum_positions_rule", "offset_ids_rule"]
@@ -112,7 +112,7 @@ def rope_rule(node, ins, ctx):
     saved = (Saved("rope cos", "in1"), Saved("rope sin", "in2")) if x.requires_grad else ()
     grads = _grads(ins[:1]) + (None, None)
     n = x.numel
-    if sp.simplify(cos.shape[-1] - x.shape[-1]) == 0:
+    if _same(cos.shape[-1], x.shape[-1]):
         out = TensorInfo(x.shape, dt, x.contiguous, x.requires_grad, seq_major=x.seq_major)
         return Footprint(out, saved=saved, fwd_temp=2 * n * dt.nbytes, grads=grads)
     # partial rotation (GPT-NeoX: the first r of d dimensions): the rotated part as above, n_r =

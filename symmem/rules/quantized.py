@@ -12,14 +12,14 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ShapeError
-from .core import DType, Footprint, Saved, TensorInfo, _grads, rule
+from .core import DType, Footprint, Saved, TensorInfo, _grads, _same, rule
 
 __all__ = ["linear_int4_rule", "linear_int8_rule"]
 
 
 def _shapes(node, x):
     out_features, in_features = node.params[0].shape
-    if sp.simplify(x.shape[-1] - in_features) != 0:
+    if not _same(x.shape[-1], in_features):
         raise ShapeError(node.name, x.shape, f"a last dimension of {in_features}")
     return TensorInfo(tuple(x.shape[:-1]) + (out_features,), x.dtype, True, x.requires_grad)
 

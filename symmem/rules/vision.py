@@ -23,7 +23,7 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ShapeError
-from .core import F32, I64, Footprint, Saved, TensorInfo, _grads, _promote, rule
+from .core import F32, I64, Footprint, Saved, TensorInfo, _grads, _promote, _same, rule
 
 __all__ = ["conv2d_rule", "batch_norm_rule", "relu_inplace_rule", "max_pool2d_rule", "mean_pool_rule",
            "flatten_rule", "ce_input_rule", "ce_log_softmax_rule", "patch_tokens_rule", "cls_concat_rule",
@@ -68,7 +68,7 @@ def conv2d_rule(node, ins, ctx):
     w = node.params[0]
     if len(x.shape) != 4 or len(w.shape) != 4:
         raise ShapeError(node.name, x.shape, "a (batch, channels, height, width) input and a 4-D weight")
-    if sp.simplify(x.shape[1] - w.shape[1]) != 0:
+    if not _same(x.shape[1], w.shape[1]):
         raise ShapeError(node.name, x.shape, f"{w.shape[1]} input channels")
     cast = ctx.autocast_dtype("conv2d")
     shape = (x.shape[0], w.shape[0]) + _spatial(node, x, w.shape[2])
