@@ -18,6 +18,8 @@ from sympy.core import basic as _basic
 
 from .symbols import DIMENSIONS
 
+_DIMENSIONS = frozenset(DIMENSIONS)     # looked up by hash, not compared one by one
+
 __all__ = ["provably_nonneg", "monomials", "shifted_coeffs", "dominates", "prune", "samples",
            "terms", "substitute", "terms_nonneg", "terms_samples", "covers", "product", "total", "sum_of",
            "merged_terms", "prune_terms", "sort_key"]
@@ -88,7 +90,7 @@ def _polynomial(e, gens) -> dict | None:
 def shifted_coeffs(poly: dict, gens) -> dict:
     """The coefficients of a polynomial (:func:`monomials`) rewritten in (x - 1) for each
     dimension x, the byte prices left as they are. All of them >= 0 proves it >= 0."""
-    shifted = tuple(i for i, g in enumerate(gens) if g in DIMENSIONS)
+    shifted = tuple(i for i, g in enumerate(gens) if g in _DIMENSIONS)
     out: dict = {}
     for mono, c in poly.items():
         for m, v in _expansion(mono, shifted):
@@ -169,31 +171,39 @@ def prune_terms(ds: list) -> list[int] | None:
     of its own, at least 1 as every symbol is: a sum that dominates another for every value
     of them does at the ceilings' values too. A negative exponent (``h/a``) is cleared by
     multiplying every sum by the same positive monomial, which keeps which dominates which.
-    A sum with another atom is kept and dominates none, as :func:`prune` does."""
+    A sum with another atom is kept and dominates none, as :func:`prune` does. Each distinct
+    product is read once (the sums of a step share most of theirs)."""
     if any(d is None for d in ds):
         return None
-    bases = {base for d in ds for key in d for base, _ in key}
+    keys = dict.fromkeys(key for d in ds for key in d)
+    bases = {base for key in keys for base, _ in key}
     gens = sorted((x for x in bases if x.is_Symbol or _at_least_one(x)), key=str)
     index = {g: i for i, g in enumerate(gens)}
     low = [0] * len(gens)
-    for d in ds:
-        for key in d:
-            for base, ex in key:
-                if base in index and ex < low[index[base]]:
-                    low[index[base]] = ex
+    for key in keys:
+        for base, ex in key:
+            i = index.get(base)
+            if i is not None and ex < low[i]:
+                low[i] = ex
+    exps: dict = {}
+    for key in keys:
+        e = [-x for x in low]
+        for base, ex in key:
+            i = index.get(base)
+            if i is None:           # another atom: not a polynomial in gens
+                e = None
+                break
+            e[i] += ex
+        exps[key] = None if e is None else tuple(e)
     polys = []
     for d in ds:
-        poly: dict | None = {}
+        poly = {}
         for key, c in d.items():
-            exps = [-x for x in low]
-            for base, ex in key:
-                if base not in index:
-                    poly = None
-                    break
-                exps[index[base]] += ex
-            if poly is None:
+            m = exps[key]
+            if m is None:
+                poly = None
                 break
-            poly[tuple(exps)] = c
+            poly[m] = c
         polys.append(poly)
     return _prune(polys, gens)
 
@@ -236,35 +246,52 @@ def _prune(polys: list, gens) -> list[int]:
 
 
 def _prune_matrix(polys: list, gens) -> list[int] | None:
-    """:func:`_prune` with every pair's :func:`dominates` decided at once, as int64 arrays:
-    the shifted coefficients of the polynomials, over the union of their monomials (a
-    missing one 0), times the common denominator of the fractions among them, so that j
-    dominates i where row j >= row i in every column. The same decisions: the samples only
-    skip pairs that cannot dominate (a polynomial with no negative shifted coefficient is
-    >= 0 at every sample point), and whether i is dominated (by a j that dominates it and is
-    earlier, or that it does not dominate back) does not depend on the order of the j.
-    None when a coefficient would not fit in int64 exactly: the pairs are then compared one
-    by one."""
+    """:func:`_prune` with every pair's :func:`dominates` decided at once, as arrays: the
+    shifted coefficients of the polynomials, over the union of their monomials (a missing
+    one 0), times the common denominator of the fractions among them, so that j dominates i
+    where row j >= row i in every column. The same decisions: the samples only skip pairs
+    that cannot dominate (a polynomial with no negative shifted coefficient is >= 0 at every
+    sample point), and whether i is dominated (by a j that dominates it and is earlier, or
+    that it does not dominate back) does not depend on the order of the j.
+
+    The shift is linear: the table is the coefficients (a row per polynomial, a column per
+    monomial) times each monomial's expansion in ``x - 1`` (:func:`_expansion`), one float64
+    matrix product, exact where no sum can reach 2^53 (bounded first, with Python's
+    integers). None when it could: the pairs are then compared one by one, exactly."""
     import numpy as np
     from math import lcm
     comparable = [i for i, q in enumerate(polys) if q is not None]
     if len(comparable) < 2:
         return None
-    den = 1             # whole coefficients first: shifting integers is far faster than fractions
+    den = 1             # whole coefficients: the table in integers
     for i in comparable:
         for v in polys[i].values():
             if not isinstance(v, int):
                 den = lcm(den, v.denominator)
-    coeffs = [shifted_coeffs({m: int(v * den) for m, v in polys[i].items()} if den != 1 else polys[i], gens)
-              for i in comparable]
-    monos = {m: k for k, m in enumerate(dict.fromkeys(m for c in coeffs for m in c))}
-    limit = 1 << 62
-    table = np.zeros((len(coeffs), len(monos)), dtype=np.int64)
-    for r, c in enumerate(coeffs):
-        for m, v in c.items():
-            if not -limit < v < limit:
-                return None
-            table[r, monos[m]] = v
+    monos = {m: k for k, m in enumerate(dict.fromkeys(m for i in comparable for m in polys[i]))}
+    shifted = tuple(i for i, g in enumerate(gens) if g in _DIMENSIONS)
+    columns: dict = {}
+    e_rows, e_cols, e_vals, e_sums = [], [], [], {}
+    for m, k in monos.items():
+        for mono, v in _expansion(m, shifted):
+            j = columns.setdefault(mono, len(columns))
+            e_rows.append(k)
+            e_cols.append(j)
+            e_vals.append(v)
+            e_sums[j] = e_sums.get(j, 0) + v         # binomials: all positive
+    rows, cols, vals = [], [], []
+    for r, i in enumerate(comparable):
+        for m, c in polys[i].items():
+            rows.append(r)
+            cols.append(monos[m])
+            vals.append(int(c * den) if den != 1 else c)
+    if max(map(abs, vals)) * max(e_sums.values()) >= 1 << 53:
+        return None
+    a = np.zeros((len(comparable), len(monos)))
+    a[rows, cols] = vals
+    e = np.zeros((len(monos), len(columns)))
+    e[e_rows, e_cols] = e_vals
+    table = a @ e
     n = len(comparable)
     dom = np.empty((n, n), dtype=bool)          # dom[j, i]: row j dominates row i
     for i in range(n):
@@ -317,17 +344,37 @@ def substitute(d: dict, x, value: int) -> dict | None:
     holds ``x``: the caller substitutes the expression instead)."""
     out: dict = {}
     for key, c in d.items():
-        rest = []
-        for base, ex in key:
-            if base is x or (base.is_Symbol and base == x):
-                c = c * value ** ex if ex > 0 else Fraction(c, value ** -ex)
-            elif not base.is_Symbol and x in base.free_symbols:
-                return None
-            else:
-                rest.append((base, ex))
-        rest = frozenset(rest)
+        split = _SPLITS.get((key, x))
+        if split is None:
+            split = _split(key, x)
+        if split is False:
+            return None
+        rest, ex = split
+        if ex:
+            c = c * value ** ex if ex > 0 else Fraction(c, value ** -ex)
         out[rest] = out.get(rest, 0) + c
     return {k: v for k, v in out.items() if v != 0}
+
+
+_SPLITS: dict = {}
+
+
+def _split(key: frozenset, x):
+    """(``key`` without ``x``, the exponent of ``x`` in it), or False when an atom of it (a
+    ceiling) holds ``x``; kept per key, as the points of a step share most of theirs."""
+    ex, rest = 0, []
+    for base, e in key:
+        if base is x or (base.is_Symbol and base == x):
+            ex = e
+        elif not base.is_Symbol and x in base.free_symbols:
+            ex = False
+            break
+        else:
+            rest.append((base, e))
+    split = False if ex is False else (frozenset(rest), ex)
+    if len(_SPLITS) < 1 << 16:
+        _SPLITS[key, x] = split
+    return split
 
 
 def _symbols(d: dict) -> set:
@@ -443,7 +490,8 @@ def terms_samples(ds: list) -> list[tuple]:
     """The values of the sums :func:`terms` ``ds`` stand for at :func:`samples`' points (over
     the sorted union of their symbols), in floating point: a filter for :func:`covers`, never
     a proof (that is :func:`terms_nonneg`'s, exact)."""
-    gens = sorted(set().union(*map(_symbols, ds)), key=str)
+    bases = {base for d in ds for key in d for base, _ in key}
+    gens = sorted(set().union(*(base.free_symbols for base in bases)), key=str)
     points = [dict(zip(gens, f(len(gens)))) for f in _POINTS]
     atoms: dict = {}
 

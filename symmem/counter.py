@@ -316,8 +316,7 @@ class _Walk:
         if m == 1:
             cands = [(p, "first run") for p in pts]
         else:
-            total = sp.Add(*delta.values())
-            grows, shrinks = provably_nonneg(total), provably_nonneg(-total)
+            grows, shrinks = _grows_shrinks(delta.values())
             cands = []
             for p in pts:        # the first run's point, then the last run's, node by node
                 if not grows:    # the first run can be the larger
@@ -441,6 +440,18 @@ def _harmless_terms(x, slope, shift, c: int, walked, mine, every: dict) -> bool 
             if not any(terms_nonneg(_minus(value[id(q)], value[id(p)])) for q in tries):
                 return False
     return True
+
+
+def _grows_shrinks(parts) -> tuple[bool, bool]:
+    """Is the sum of ``parts`` (one iteration's change of each role) provably >= 0, and
+    provably <= 0? Read as :func:`~symmem.bounds.terms` where every part is a sum of products
+    (no sympy sum built, no ``together`` of a ratio such as ``h/a``), else by
+    :func:`~symmem.bounds.provably_nonneg`: the same answers."""
+    d = merged_terms(parts)
+    if d is None:
+        total = sp.Add(*parts)
+        return provably_nonneg(total), provably_nonneg(-total)
+    return terms_nonneg(d), terms_nonneg({key: -c for key, c in d.items()})
 
 
 def _minus(a: dict, b: dict) -> dict:

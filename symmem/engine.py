@@ -18,7 +18,7 @@ from .errors import ConfigError
 from .graph import Graph
 from .policy import Policy
 from .policy.attention import resolve
-from .bounds import (covers, merged_terms, monomials, product, provably_nonneg, prune, prune_terms, terms, terms_nonneg,
+from .bounds import (_sorted, covers, merged_terms, monomials, product, provably_nonneg, prune, prune_terms, terms, terms_nonneg,
                      terms_samples, total)
 from .counter import Point, Timeline, count
 from . import exact, passes
@@ -62,16 +62,43 @@ def _collect(d: dict) -> sp.Expr:
     groups: dict = {}
     rest = []
     for key, c in d.items():
+        power, term = _split(key, c)
+        if power is None:
+            rest.append(term)
+        else:
+            groups.setdefault(power, []).append(term)
+    return total([_times(key, total(terms)) for key, terms in groups.items()] + rest)
+
+
+_SPLITS: dict = {}
+
+
+def _split(key: frozenset, c) -> tuple:
+    """(``L**k``, the rest of the term) for the first of L, b, s the term ``c * key`` holds,
+    else (None, the term): built once per term and kept, as the candidates of a step share
+    most of theirs (and the same objects sort and hash at once)."""
+    hit = _SPLITS.get((key, c))
+    if hit is None:
         factors = dict(key)
+        power = None
         for x in (L, b, s):
             k = factors.pop(x, 0)
             if k:
-                groups.setdefault(x ** k, []).append(product(c, [base if ex == 1 else base ** ex
-                                                                 for base, ex in factors.items()]))
+                power = x ** k
                 break
-        else:
-            rest.append(product(c, [base if ex == 1 else base ** ex for base, ex in factors.items()]))
-    return total([sp.Mul(key, total(terms)) for key, terms in groups.items()] + rest)
+        hit = (power, product(c, [base if ex == 1 else base ** ex for base, ex in factors.items()]))
+        if len(_SPLITS) < 1 << 16:
+            _SPLITS[key, c] = hit
+    return hit
+
+
+def _times(power, inner) -> sp.Expr:
+    """``sympy.Mul(power, inner)`` of a power of a symbol and a sum that does not hold it:
+    the two in ``Mul``'s order without its flattening (and its cache of the call, which
+    hashes the whole sum), or ``Mul`` itself where ``inner`` is not a sum."""
+    if not inner.is_Add:
+        return sp.Mul(power, inner)
+    return sp.Mul._from_args(_sorted([power, inner]), True)
 
 
 def _canonical(expr) -> sp.Expr:
