@@ -106,8 +106,13 @@ def _read(path: Path, key: str):
     if stored != key.encode() or hashlib.sha256(payload).digest() != digest:
         return None
     import pickle              # here: a stored answer (replay) needs none
+    from sympy.core.parameters import evaluate
     try:
-        return pickle.loads(payload)
+        # Without evaluation: each stored expression was canonical when written, so its
+        # arguments are rebuilt as they are (the same objects sympy's flattening and sorting
+        # would make, at a third of the cost).
+        with evaluate(False):
+            return pickle.loads(payload)
     except Exception:          # a class that changed shape, a truncated stream: derive afresh
         return None
 

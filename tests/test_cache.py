@@ -59,6 +59,23 @@ def test_an_entry_is_read_back_without_deriving(on, monkeypatch):
     assert "_regions" in vars(again) and again.regions() == first.regions()
 
 
+@pytest.mark.parametrize("name", ["llama-2-7b", "mixtral-8x7b"])
+def test_an_entry_reads_back_the_same_expressions(on, name):
+    # read back without sympy's evaluation: every stored expression must come back as the
+    # same tree (srepr), ceilings (flash's ceiling(s/128) on CUDA), ratios (h/a) and the
+    # 8-bit optimizer's Piecewise included
+    p = sm.Policy("bf16-mixed", "adam8bit")
+    first = cache.cached_estimate(sm.models.preset(name), p)
+    cache.store()
+    again = cache.cached_estimate(sm.models.preset(name), p)
+    assert again is not first
+    assert any(x.has(sp.ceiling) for x in first.candidates) and first.components["optimizer"].has(sp.Piecewise)
+    assert [sp.srepr(x) for x in again.components.values()] == [sp.srepr(x) for x in first.components.values()]
+    assert [sp.srepr(x) for x in again.candidates] == [sp.srepr(x) for x in first.candidates]
+    assert [sp.srepr(p.total) for p in again.points] == [sp.srepr(p.total) for p in first.points]
+    assert sp.srepr(again.peak) == sp.srepr(first.peak)
+
+
 @pytest.mark.parametrize("damage", ["flip a byte", "truncate", "foreign key", "not a pickle"])
 def test_a_damaged_entry_is_derived_afresh(on, damage):
     g, p = sm.models.preset("gpt2"), sm.Policy("fp32", "sgd")
