@@ -22,7 +22,7 @@ _DIMENSIONS = frozenset(DIMENSIONS)     # looked up by hash, not compared one by
 
 __all__ = ["provably_nonneg", "monomials", "shifted_coeffs", "dominates", "prune", "samples",
            "terms", "substitute", "terms_nonneg", "terms_samples", "covers", "product", "total", "sum_of",
-           "merged_terms", "prune_terms", "sort_key"]
+           "merged_terms", "prune_terms", "sort_key", "from_terms", "times_terms"]
 
 
 def provably_nonneg(expr) -> bool:
@@ -381,9 +381,41 @@ def _symbols(d: dict) -> set:
     return set().union(*(base.free_symbols for key in d for base, _ in key))
 
 
-def _expr(d: dict) -> sp.Expr:
-    """The sympy expression of :func:`terms` ``d`` (the same canonical sum sympy builds)."""
-    return total([product(c, [base if ex == 1 else base ** ex for base, ex in key]) for key, c in d.items()])
+def from_terms(d: dict) -> sp.Expr:
+    """The sympy expression of :func:`terms` ``d`` (the same canonical sum sympy builds), each
+    product built once and kept (the sums of a step share most of theirs)."""
+    out = []
+    for key, c in d.items():
+        p = _PRODUCTS.get((key, c))
+        if p is None:
+            p = product(c, [base if ex == 1 else base ** ex for base, ex in key])
+            if len(_PRODUCTS) < 1 << 16:
+                _PRODUCTS[key, c] = p
+        out.append(p)
+    return total(out)
+
+
+_PRODUCTS: dict = {}
+
+
+def times_terms(a: dict, b: dict) -> dict:
+    """The :func:`terms` of the product of the sums ``a`` and ``b`` stand for."""
+    out: dict = {}
+    for ka, ca in a.items():
+        for kb, cb in b.items():
+            key = _KEY_PRODUCTS.get((ka, kb))
+            if key is None:
+                exps = dict(kb)
+                for base, ex in ka:
+                    exps[base] = exps.get(base, 0) + ex
+                key = frozenset((base, ex) for base, ex in exps.items() if ex)
+                if len(_KEY_PRODUCTS) < 1 << 16:
+                    _KEY_PRODUCTS[ka, kb] = key
+            out[key] = out.get(key, 0) + ca * cb
+    return {k: v for k, v in out.items() if v != 0}
+
+
+_KEY_PRODUCTS: dict = {}
 
 
 _KEYS: dict = {}
@@ -550,4 +582,4 @@ def sum_of(parts) -> sp.Expr:
     """``sympy.Add(*parts)`` of expanded sums, built from :func:`merged_terms` with
     :func:`product` and :func:`total` (the same expression, a fraction of the cost)."""
     merged = merged_terms(parts)
-    return sp.Add(*parts) if merged is None else _expr(merged)
+    return sp.Add(*parts) if merged is None else from_terms(merged)

@@ -27,7 +27,8 @@ from functools import cached_property
 
 import sympy as sp
 
-from .bounds import covers, merged_terms, provably_nonneg, samples, substitute, sum_of, terms_nonneg, terms_samples
+from .bounds import (covers, from_terms, merged_terms, provably_nonneg, samples, substitute, sum_of, terms,
+                     terms_nonneg, terms_samples, times_terms)
 from .requirements import Requirement
 from .plan import (AUTOGRAD, CHECKPOINT, ROLES, Alloc, Begin, Compute, End, Free, Mark, Plan,
                    Release, flat)
@@ -83,7 +84,7 @@ def count(plan: Plan) -> Timeline:
     walk = _Walk()
     walk.run(ops)
     comps = dict(plan.components)
-    comps["activations"] = sp.expand(walk.saved_at_end_of_forward)
+    comps["activations"] = walk.saved_at_end_of_forward
     return Timeline(tuple(walk.points), comps, tuple(plan.requirements) + tuple(walk.requirements))
 
 
@@ -95,7 +96,7 @@ def saved(plan: Plan) -> tuple[sp.Expr, sp.Expr]:
     end = next(i for i, op in enumerate(ops) if op[0] == "end of forward")
     walk = _Saved()
     walk.run(ops[:end + 1])
-    return sp.expand(walk.saved_at_end_of_forward), sp.expand(walk.outside_at_end_of_forward)
+    return walk.saved_at_end_of_forward, sp.expand(walk.outside_at_end_of_forward)
 
 
 # ----- liveness -----------------------------------------------------------------------------
@@ -228,10 +229,92 @@ def _iterations(origin, here, copies) -> sp.Expr:
 _LABELS = {"1": "first", "2": "second", "n-1": "second to last", "n": "last"}
 
 
+class _Sum:
+    """Bytes being added up: the products of symbols as :func:`~symmem.bounds.terms`, added
+    with Python's numbers (linear in the additions, where a growing sympy ``Add`` is flattened
+    again at each one: quadratic in a model written out layer by layer, as ResNet is), and
+    any other part (none in the models so far) as a sympy sum. :meth:`expr` is the expanded
+    sum, the same expression ``sp.expand`` gives, built once per change."""
+    __slots__ = ("d", "rest", "_expr")
+
+    def __init__(self, d: dict | None = None, rest: sp.Expr = ZERO):
+        self.d = {} if d is None else d
+        self.rest = rest
+        self._expr = None
+
+    @classmethod
+    def of(cls, e) -> "_Sum":
+        """The sum of one expression."""
+        d = _terms_of(e)
+        return cls(dict(d)) if d is not None else cls({}, e)
+
+    def copy(self) -> "_Sum":
+        out = _Sum(dict(self.d), self.rest)
+        out._expr = self._expr
+        return out
+
+    def add(self, e, sign: int = 1) -> None:
+        """Add (``sign`` 1) or subtract (-1) the expression ``e``."""
+        d = _terms_of(e)
+        if d is None:
+            self.rest = self.rest + e if sign > 0 else self.rest - e
+        else:
+            _merge(self.d, d, sign)
+        self._expr = None
+
+    def expr(self) -> sp.Expr:
+        if self._expr is None:
+            base = from_terms(self.d)
+            self._expr = base if self.rest is ZERO else sp.expand(base + self.rest)
+        return self._expr
+
+    def minus(self, other: "_Sum") -> "_Sum":
+        d = dict(self.d)
+        _merge(d, other.d, -1)
+        return _Sum(d, self.rest - other.rest if (self.rest is not ZERO or other.rest is not ZERO) else ZERO)
+
+    def affine(self, k, delta: "_Sum") -> "_Sum":
+        """``self + k * delta`` for a count ``k`` (a number or an expression in the symbols)."""
+        kd = _terms_of(k)
+        if kd is None or delta.rest is not ZERO or self.rest is not ZERO:
+            return _Sum.of(sp.expand(self.expr() + k * delta.expr()))
+        d = dict(self.d)
+        _merge(d, times_terms(kd, delta.d), 1)
+        return _Sum(d)
+
+
+_TERMS_OF: dict = {}
+
+
+def _terms_of(e) -> dict | None:
+    """:func:`~symmem.bounds.terms` of ``e`` expanded (None: not a sum of products); kept
+    per expression, as a step's allocations repeat their sizes."""
+    if not isinstance(e, sp.Basic):
+        e = sp.sympify(e)
+    hit = _TERMS_OF.get(e, False)
+    if hit is False:
+        hit = terms(e) if e.is_Add or e.is_Mul or e.is_Symbol or e.is_Number else None
+        if hit is None:
+            hit = terms(sp.expand(e))
+        if len(_TERMS_OF) < 1 << 16:
+            _TERMS_OF[e] = hit
+    return hit
+
+
+def _merge(d: dict, other: dict, sign: int) -> None:
+    """``d += sign * other``, in place, terms of 0 dropped."""
+    for key, c in other.items():
+        v = d.get(key, 0) + (c if sign > 0 else -c)
+        if v:
+            d[key] = v
+        else:
+            d.pop(key, None)
+
+
 class _Walk:
     def __init__(self):
-        self.live = {r: ZERO for r in ROLES}
-        self.saved = ZERO
+        self.live = {r: _Sum() for r in ROLES}
+        self.saved = _Sum()
         self.points: list[Point] = []
         self.requirements: list = []
         self.saved_at_end_of_forward = ZERO
@@ -251,20 +334,23 @@ class _Walk:
         kind = op[0]
         if kind == "alloc":
             _, nbytes, role, cnt, saved = op
-            self.live[role] += nbytes * cnt
-            self.saved += saved
+            self.live[role].add(_times(nbytes, cnt))
+            if saved is not ZERO:
+                self.saved.add(saved)
         elif kind == "free":
             _, nbytes, role, cnt = op
-            self.live[role] -= nbytes * cnt
+            self.live[role].add(_times(nbytes, cnt), -1)
         elif kind == "mark":
             _, phase, node, extra, _, micro = op
-            acc = dict(self.live)
+            acc = {r: self.live[r] for r in ROLES}
             for role, e in extra:
-                acc[role] += e
-            point = Point(phase, node, tuple((r, sp.expand(acc[r])) for r in ROLES), label, micro)
+                if e is not ZERO and e != 0:
+                    acc[role] = acc[role].copy()
+                    acc[role].add(e)
+            point = Point(phase, node, tuple((r, acc[r].expr()) for r in ROLES), label, micro)
             (self.points if out is None else out).append(point)
         elif kind == "end of forward":
-            self.saved_at_end_of_forward = self.saved
+            self.saved_at_end_of_forward = self.saved.expr()
 
     @staticmethod
     def _occurrence(ops, i):
@@ -306,27 +392,27 @@ class _Walk:
         self._check_small_counts(block, n, walked)
 
     def _segment(self, body, m, first_label, last_label):
-        start = dict(self.live)
-        start_saved = self.saved
+        start = {r: self.live[r].copy() for r in ROLES}
+        start_saved = self.saved.copy()
         pts: list[Point] = []
         for op in body:
             self._apply(op, first_label, pts)
-        delta = {r: sp.expand(self.live[r] - start[r]) for r in ROLES}
-        d_saved = self.saved - start_saved
+        delta = {r: self.live[r].minus(start[r]) for r in ROLES}
+        d_saved = self.saved.minus(start_saved)
         if m == 1:
             cands = [(p, "first run") for p in pts]
         else:
-            grows, shrinks = _grows_shrinks(delta.values())
+            grows, shrinks = _grows_shrinks(list(delta.values()))
             cands = []
             for p in pts:        # the first run's point, then the last run's, node by node
                 if not grows:    # the first run can be the larger
                     cands.append((p, "first run"))
                 if not shrinks or grows:
-                    last = tuple((r, sp.expand(e + (m - 1) * delta[r])) for r, e in p.parts)
+                    last = tuple((r, _Sum.of(e).affine(m - 1, delta[r]).expr()) for r, e in p.parts)
                     cands.append((Point(p.phase, p.node, last, last_label, p.micro), "last run"))
         self.points.extend(p for p, _ in cands)
-        self.live = {r: sp.expand(start[r] + m * delta[r]) for r in ROLES}
-        self.saved = sp.expand(start_saved + m * d_saved)
+        self.live = {r: start[r].affine(m, delta[r]) for r in ROLES}
+        self.saved = start_saved.affine(m, d_saved)
         return m, cands
 
     def _check_small_counts(self, block, n, walked):
@@ -402,10 +488,10 @@ class _Saved(_Walk):
             super()._apply(op, label, out)
 
     def _segment(self, body, m, first_label, last_label):
-        start = self.saved
+        start = self.saved.copy()
         for op in body:
             self._apply(op, first_label)
-        self.saved = sp.expand(start + m * (self.saved - start))
+        self.saved = start.affine(m, self.saved.minus(start))
         return m, []
 
     def _check_small_counts(self, block, n, walked):
@@ -442,16 +528,33 @@ def _harmless_terms(x, slope, shift, c: int, walked, mine, every: dict) -> bool 
     return True
 
 
-def _grows_shrinks(parts) -> tuple[bool, bool]:
-    """Is the sum of ``parts`` (one iteration's change of each role) provably >= 0, and
-    provably <= 0? Read as :func:`~symmem.bounds.terms` where every part is a sum of products
+def _grows_shrinks(parts: list) -> tuple[bool, bool]:
+    """Is the sum of ``parts`` (one iteration's change of each role, :class:`_Sum`) provably
+    >= 0, and provably <= 0? Decided on their terms where every part is a sum of products
     (no sympy sum built, no ``together`` of a ratio such as ``h/a``), else by
     :func:`~symmem.bounds.provably_nonneg`: the same answers."""
-    d = merged_terms(parts)
-    if d is None:
-        total = sp.Add(*parts)
+    if any(p.rest is not ZERO for p in parts):
+        total = sp.Add(*(p.expr() for p in parts))
         return provably_nonneg(total), provably_nonneg(-total)
+    d: dict = {}
+    for p in parts:
+        _merge(d, p.d, 1)
     return terms_nonneg(d), terms_nonneg({key: -c for key, c in d.items()})
+
+
+_PRODUCTS: dict = {}
+
+
+def _times(nbytes, cnt):
+    """``nbytes * cnt``, built once per pair (a step frees and allocates the same sizes)."""
+    if cnt == 1:
+        return nbytes
+    hit = _PRODUCTS.get((nbytes, cnt))
+    if hit is None:
+        hit = nbytes * cnt
+        if len(_PRODUCTS) < 1 << 16:
+            _PRODUCTS[nbytes, cnt] = hit
+    return hit
 
 
 def _minus(a: dict, b: dict) -> dict:

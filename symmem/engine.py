@@ -92,6 +92,39 @@ def _split(key: frozenset, c) -> tuple:
     return hit
 
 
+def largest(args) -> sp.Expr:
+    """``sympy.Max(*args, evaluate=False)``, the same object: its arguments in the order
+    sympy's ``ordered`` gives (by node count, ties by ``default_sort_key``), each node count
+    read once per shared subexpression (the candidates of a peak share most of their terms;
+    ``ordered`` walks each whole tree)."""
+    argset = frozenset(args)
+    if len(argset) < 2:
+        return sp.Max(*args, evaluate=False)
+    groups: dict = {}
+    for a in argset:
+        groups.setdefault(_nodes(a), []).append(a)
+    out = []
+    for n in sorted(groups):
+        group = groups[n]
+        out.extend(sorted(group, key=sp.default_sort_key) if len(group) > 1 else group)
+    obj = sp.Expr.__new__(sp.Max, *out)
+    obj._argset = argset
+    return obj
+
+
+_NODES: dict = {}
+
+
+def _nodes(e) -> float:
+    """sympy's ``_node_count``: 1 per node of the tree (0.5 per Float), kept per subexpression."""
+    n = _NODES.get(e)
+    if n is None:
+        n = 0.5 if e.is_Float else 1 + sum(map(_nodes, e.args))
+        if len(_NODES) < 1 << 16:
+            _NODES[e] = n
+    return n
+
+
 def _times(power, inner) -> sp.Expr:
     """``sympy.Mul(power, inner)`` of a power of a symbol and a sum that does not hold it:
     the two in ``Mul``'s order without its flattening (and its cache of the call, which
@@ -411,7 +444,7 @@ class Estimate:
     @cached_property
     def peak(self) -> sp.Expr:
         """The peak live bytes: Max over the :attr:`candidates`."""
-        return sp.Max(*self.candidates, evaluate=False)
+        return largest(self.candidates)
 
     @cached_property
     def totals(self) -> list[sp.Expr]:

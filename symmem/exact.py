@@ -17,7 +17,7 @@ from fractions import Fraction
 
 import sympy as sp
 
-from .bounds import _expr, terms as _read_terms
+from .bounds import from_terms, terms as _read_terms
 
 __all__ = ["Compiled", "compile", "compile_terms", "number"]
 
@@ -109,7 +109,7 @@ def compile_terms(d: dict, bindings: dict) -> Compiled:
         merged[rest] = merged.get(rest, 0) + c
     merged = {k: (int(c) if isinstance(c, Fraction) and c.denominator == 1 else c)
               for k, c in merged.items() if c != 0}
-    expr = _expr(merged)
+    expr = from_terms(merged)
     if atoms:
         return Compiled(expr, tuple(sorted(expr.free_symbols, key=str)), None)
     gens = tuple(sorted({base for key in merged for base, _ in key}, key=str))
