@@ -114,9 +114,12 @@ def build_opt(cfg: OPTConfig) -> Graph:
         v = linear("self_attn.v_proj", y, h, h)
         q, key, v = (g.add("heads", t, heads=a, name=f"layers/self_attn/{n}_heads")
                      for t, n in ((q, "q"), (key, "k"), (v, "v")))
+        # the layer's `hidden_states, _ = self.self_attn(...)` keeps the attention weights until
+        # it returns: after the MLP's residual, or after the final layer norm (post-norm)
+        last = "layers/mlp/residual" if cfg.do_layer_norm_before else "layers/final_layer_norm"
         with g.scope(recompute="attention"):
             z = g.add("attention", q, key, v, causal, dropout=cfg.attention_dropout, causal=True,
-                      probs_like="query", softmax_float32=True, weights_until="layers/mlp/residual",
+                      probs_like="query", softmax_float32=True, weights_until=last,
                       returns_after="layers/self_attn/merge", name="layers/self_attn/context")
         z = g.add("merge_heads", z, name="layers/self_attn/merge")
         z = linear("self_attn.out_proj", z, h, h)
@@ -130,14 +133,16 @@ def build_opt(cfg: OPTConfig) -> Graph:
         out = g.add("add", x2, z2, name="layers/mlp/residual")
         if not cfg.do_layer_norm_before:
             out = layer_norm("final_layer_norm", out)
-        # OPTAttention's locals until it returns (the scaled query, key and value views; the
-        # layer norm's output until the attention returns; the decoder layer's input until it
-        # returns (OPTDecoder rebinds hidden_states to what the layer returns)
+        # OPTAttention's locals until it returns (the scaled query, key and value views); the
+        # layer norm's output until the attention returns; the final layer norm's until fc1
+        # returns (``hidden_states = self.fc1(hidden_states)`` rebinds it: under no_grad it goes
+        # there, in training fc1 saves it); the decoder layer's input until it returns
+        # (OPTDecoder rebinds hidden_states to what the layer returns)
         for value in (q, key, v):
             g.hold(value, until="layers/self_attn.out_proj")
         if cfg.do_layer_norm_before:
             g.hold(y, until="layers/self_attn.out_proj")
-            g.hold(y2, until="layers/fc2")
+            g.hold(y2, until="layers/fc1")
         g.hold(x, until=out)
         g.hold(x2, until=out)          # `residual`, the MLP's, until the layer returns
         return out
