@@ -158,13 +158,31 @@ def test_cli_max_batch_inference(capsys):
 
 
 def test_unchecked_families_refused():
-    """GPT-NeoX and OPT are not measured in inference yet: refused, naming the operators."""
-    graph = sm.models.from_hf_config(dict(model_type="opt", hidden_size=32, ffn_dim=64, num_attention_heads=4,
-                                          num_hidden_layers=2, vocab_size=100, word_embed_proj_dim=32,
-                                          max_position_embeddings=64))
+    """Mixtral is not measured in inference: refused, naming the operators."""
+    graph = sm.models.from_hf_config(dict(model_type="mixtral", hidden_size=32, intermediate_size=64,
+                                          num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                          vocab_size=100, num_local_experts=8, num_experts_per_tok=2))
     with pytest.raises(ConfigError) as err:
         sm.estimate(graph, sm.Policy(device="cpu", mode="inference"))
-    assert "offset_ids" in str(err.value) and "--mode training" in str(err.value)
+    assert "grouped_mm" in str(err.value) and "--mode training" in str(err.value)
+
+
+# a small OPT: h = 32, f = 64, a = 4, L = 2, V = 100
+OPT = dict(model_type="opt", hidden_size=32, ffn_dim=64, num_attention_heads=4, num_hidden_layers=2,
+           vocab_size=100, word_embed_proj_dim=32, max_position_embeddings=64)
+
+
+def test_opt_positions_over_every_position_seen():
+    """OPT's decoder, called without an attention_mask, makes its positions over all s + n_g
+    positions seen even for one new token: torch.ones(b, s + n_g) float32, then at the .long()
+    its cumsum and ``cumsum * mask - 1`` (float32, scratch) and the int64 ids."""
+    est = sm.estimate(sm.models.from_hf_config(OPT), sm.Policy("fp32", device="cpu", mode="inference"))
+    at = {p.node: p.total for p in est.timeline if p.phase == "decode"}
+    assert sp.expand(at["position_ids"] - at["embed_tokens"] - 20 * b * (s + n_g)) == 0
+    # (4 + 4 + 4 + 8) bytes * b 2 * (8 + 3) positions = 440 (measured: 256 bytes live after the
+    # step's embedding, 696 after the .long())
+    subs = est._subs({"b": 2, "s": 8, "n_g": 3})
+    assert int((at["position_ids"] - at["embed_tokens"]).xreplace(subs)) == 440
 
 
 def static(precision="bf16", max_cache_len=None, **kw):

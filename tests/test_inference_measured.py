@@ -1,8 +1,9 @@
-"""Inference against Hugging Face's own causal LMs (Llama, Qwen2, Mistral, GPT-2, GPT-NeoX) on the CPU: the prefill of a prompt and one
-decoding step with transformers' ``DynamicCache``, under ``torch.no_grad`` (random weights,
-small configs, no download). Each case checks, to the byte, the peak of the prefill, the peak
-of the decoding step and the KV cache after it, measured by
-:func:`symmem.measure.inference_pass` (live storages after every operator)."""
+"""Inference against Hugging Face's own causal LMs (Llama, Qwen2, Mistral, GPT-2, GPT-NeoX,
+OPT) on the CPU: the prefill of a prompt and one decoding step with transformers'
+``DynamicCache`` (or ``StaticCache``), under ``torch.no_grad`` (random weights, small configs,
+no download). Each case checks, to the byte, the peak of the prefill, the peak of the decoding
+step and the KV cache after it, measured by :func:`symmem.measure.inference_pass` (live
+storages after every operator)."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -39,6 +40,14 @@ def hf_model(family, point, attention):
         cfg = transformers.GPT2Config(n_embd=h, n_head=a, n_layer=L, vocab_size=V, n_positions=64,
                                       attn_implementation=attention)
         return cfg, transformers.GPT2LMHeadModel(cfg).eval()
+    if family.startswith("opt"):  # multi-head, a ReLU MLP f wide: k unused. "opt": layer norms before each
+        # residual; "opt-post": after (do_layer_norm_before=False); "opt-350m": after, and embeddings half as
+        # wide as the layers, projected in and out (word_embed_proj_dim), as OPT 350m
+        cfg = transformers.OPTConfig(hidden_size=h, ffn_dim=f, num_attention_heads=a, num_hidden_layers=L,
+                                     vocab_size=V, max_position_embeddings=64, do_layer_norm_before=family == "opt",
+                                     word_embed_proj_dim=h // 2 if family == "opt-350m" else h,
+                                     attn_implementation=attention)
+        return cfg, transformers.OPTForCausalLM(cfg).eval()
     config_class, model_class = CLASSES[family]
     cfg = config_class(hidden_size=h, intermediate_size=f, num_attention_heads=a, num_key_value_heads=k,
                        num_hidden_layers=L, vocab_size=V, max_position_embeddings=64, attn_implementation=attention,
@@ -112,6 +121,17 @@ CASES = [
     # the attention's and the MLP's arguments (the layer norms' outputs) live until each returns
     ("gpt_neox", POINTS[0], "eager", "fp32", 3),
     ("gpt_neox", POINTS[0], "sdpa", "bf16-mixed", 2),
+    # OPT's decoder, called without an attention_mask, makes a float32 mask of ones and int64
+    # positions over every position seen, (b, s + n_g) in the decoding step, until it returns;
+    # the layer norm before fc1 goes when fc1 returns (the local is rebound); the layer keeps
+    # the attention weights until it returns, past the post-norm's final layer norm
+    ("opt", POINTS[0], "eager", "fp32", 3),
+    ("opt", POINTS[1], "sdpa", "bf16-mixed", 2),
+    ("opt", POINTS[1], "eager", "bf16", 4),
+    ("opt-post", POINTS[0], "sdpa", "fp32", 3),
+    ("opt-post", POINTS[1], "eager", "bf16-mixed", 2),
+    ("opt-post", POINTS[2], "eager", "fp32", 5),
+    ("opt-350m", POINTS[2], "sdpa", "bf16-mixed", 2),
 ]
 
 
@@ -138,6 +158,10 @@ STATIC = [
     ("llama", POINTS[1], "eager", "bf16", 2, 20, "last"),          # 6 positions preallocated beyond s + n_g
     ("llama", POINTS[2], "sdpa", "bf16-mixed", 2, None, "all"),    # b = 1, multi-query
     ("qwen2", POINTS[0], "sdpa", "bf16-mixed", 2, 16, "last"),
+    # the counter a tensor: OPT's decoding step's `past_seen_tokens + q` is an 8-byte int64
+    ("opt", POINTS[1], "eager", "fp32", 3, None, "last"),
+    ("opt-post", POINTS[1], "sdpa", "bf16-mixed", 2, 20, "all"),
+    ("opt", POINTS[1], "sdpa", "bf16", 2, None, "last"),
 ]
 
 
@@ -157,8 +181,9 @@ def test_static_cache_exact(family, point, attention, precision, n_g, max_len, l
                                        max_cache_len=max_len, logits=logits))
     T = max_len or s + n_g
     # keys and values of T positions in each layer, and each layer's 8-byte counter; under
-    # autocast the keys are float32 (rotated by float32 cos and sin), the values bfloat16
-    B_k, B_v = {"fp32": (4, 4), "bf16": (2, 2), "bf16-mixed": (4, 2)}[precision]
+    # autocast Llama's keys are float32 (rotated by float32 cos and sin), the values bfloat16;
+    # OPT's keys are not rotated (bfloat16)
+    B_k, B_v = {"fp32": (4, 4), "bf16": (2, 2), "bf16-mixed": (2 if family.startswith("opt") else 4, 2)}[precision]
     assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == L * b * k * T * (h // a) * (B_k + B_v) + 8 * L
     assert_generation_exact(est, model, precision, b, s, n_g, V, static=T, logits=logits)
 

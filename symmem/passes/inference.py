@@ -25,7 +25,13 @@ The graph of a step is the training graph rewritten (:func:`step_graph`):
   now hold the cache's (``key_states`` is rebound to what ``update`` returns);
 - dropout off (generation runs ``model.eval()``: ``F.dropout`` returns its input);
 - for the decoding step, every shape of one token: s -> 1, but the cache's positions
-  (s + n_g) and the eager mask's columns (``kv_len``).
+  (s + n_g) and the eager mask's columns (``kv_len``);
+- OPT's positions over every position seen: called without an ``attention_mask``,
+  ``OPTDecoder`` makes ``torch.ones(b, past_seen_tokens + q)`` (float32) and its int64
+  ``cumsum`` positions, both (b, s + n_g) in the decoding step and kept until the decoder
+  returns, of which it embeds the step's last column (``ones_like_ids`` with ``length``,
+  ``cumsum_positions``, ``offset_ids`` with ``columns``); a StaticCache's counter is a
+  tensor, so there ``past_seen_tokens + q`` is a 0-dim int64 too (``static_seq_length``).
 
 The plan of a step (:func:`apply`): no backward, no optimizer; the cache's tensors are held
 to the end (role ``cache``); in the decoding step the cache of s + n_g - 1 positions exists
@@ -64,15 +70,12 @@ __all__ = ["prepare", "apply", "step_graph", "cache_nodes", "cache_bytes", "CACH
 #: The holder of the KV cache's tensors: the ``Cache`` object, alive for the whole generation.
 CACHE_HOLDER = "kv cache"
 #: The operators of the families whose generation is measured exact (Llama, Qwen2, Mistral,
-#: GPT-2, GPT-NeoX: ``tests/test_inference_measured.py``); a model with any other is refused
-#: (OPT, measured at b = 2, s = 8, h = 32, n_g = 3: the prefill 2,048 bytes, one (b, s, h) float32
-#: tensor, below its formula, not explained yet; the decoding step 240 above, its positions made
-#: from ``torch.ones(b, past + 1)`` and an int64 ``cumsum`` over every position seen, which the
-#: graph has for the step's one column).
+#: GPT-2, GPT-NeoX, OPT: ``tests/test_inference_measured.py``); a model with any other is refused.
 CHECKED_OPS = frozenset({
-    "add", "attention", "carry", "causal_mask", "dropout", "embedding", "gelu", "gelu_new", "heads", "input",
-    "layer_norm", "linear", "log_softmax", "merge_heads", "mul", "nll_loss", "pad_labels", "position_embedding",
-    "positions", "rms_norm", "rope", "rotary", "shift_labels", "silu", "split", "to_float32"})
+    "add", "attention", "carry", "causal_mask", "cumsum_positions", "dropout", "embedding", "gelu", "gelu_new",
+    "heads", "input", "layer_norm", "linear", "log_softmax", "merge_heads", "mul", "nll_loss", "offset_ids",
+    "ones_like_ids", "pad_labels", "position_embedding", "positions", "relu", "rms_norm", "rope", "rotary", "scale",
+    "shift_labels", "silu", "split", "to_float32"})
 #: The steps of generation symmem derives, in order.
 STEPS = ("prefill", "decode")
 
@@ -209,10 +212,9 @@ def step_graph(graph: Graph, step: str, policy=None) -> Graph:
     others = sorted({n.op for x in graph.graphs() for n in x.items if isinstance(n, Node)} - CHECKED_OPS)
     if others:
         raise ConfigError("mode", "inference", "a model of the operators whose inference is measured exact (the "
-                                               "llama, qwen2, mistral, gpt2 and gpt_neox families)",
-                          f"This model also runs {', '.join(others)} (OPT, ...): its generation is not "
-                          "checked yet (OPT's positions, a cumsum over the 2-D attention mask, measured a few "
-                          "hundred bytes to 2 KiB off), so symmem refuses it rather than guess; use --mode training.")
+                                               "llama, qwen2, mistral, gpt2, gpt_neox and opt families)",
+                          f"This model also runs {', '.join(others)}: its generation is not measured, so symmem "
+                          "refuses it rather than guess; use --mode training.")
     g = _without_loss(graph)
     static = policy is not None and policy.cache == "static"
     length = cache_length(step, policy)
@@ -226,7 +228,7 @@ def step_graph(graph: Graph, step: str, policy=None) -> Graph:
                           "mask: not modelled (measured on the CPU only). Use --attention eager.")
     # SDPA gets a materialised boolean mask in a static cache's decoding step
     sdpa_mask = static and step == "decode" and kernel != "eager"
-    out = _rebuilt(g, subs, length, None, static, sdpa_mask)
+    out = _rebuilt(g, subs, length, cache_length(step), None, static, sdpa_mask)
     if step == "prefill" and (policy is None or policy.logits == "last"):
         _last_position_logits(out)
     windows = {n.attr("window") for x in out.graphs() for n in x.items
@@ -299,10 +301,12 @@ def _root(g: Graph) -> Graph:
     return g
 
 
-def _rebuilt(g: Graph, subs: dict, length, parent, static: bool = False, sdpa_mask: bool = False) -> Graph:
+def _rebuilt(g: Graph, subs: dict, length, seen, parent, static: bool = False, sdpa_mask: bool = False) -> Graph:
     """A copy of ``g`` with every shape substituted (``subs``), the cache nodes inserted
     (``static``: a StaticCache's) and the causal mask's columns set to the cache's length
-    (``sdpa_mask``: SDPA's boolean mask, and its float copy inside each attention call)."""
+    (``sdpa_mask``: SDPA's boolean mask, and its float copy inside each attention call);
+    OPT's position mask and ids over the ``seen`` positions (s + n_g in the decoding step,
+    whatever the cache), of which the step embeds its own (a decoding step: ``subs``)."""
     out = Graph(g.name, dict(g.bindings), parent=parent, externals=g.externals, outputs=g.outputs,
                 requirements=g.requirements, attention=g.attention)
     out._taken = set(g._taken) if parent is None else parent._taken
@@ -325,7 +329,7 @@ def _rebuilt(g: Graph, subs: dict, length, parent, static: bool = False, sdpa_ma
 
     for item in g.items:
         if isinstance(item, Repeat):
-            body = _rebuilt(item.body, subs, length, out, static, sdpa_mask)
+            body = _rebuilt(item.body, subs, length, seen, out, static, sdpa_mask)
             # `hidden_states = layer(hidden_states)`: the model's loop keeps each layer's input
             # until the layer returns (in training the saved tensors outlive it anyway)
             body.locals = body.locals + tuple((c, o) for c, o in zip(item.carries, item.output))
@@ -336,6 +340,13 @@ def _rebuilt(g: Graph, subs: dict, length, parent, static: bool = False, sdpa_ma
         attrs = dict(item.attrs)
         if item.op == "causal_mask":
             attrs["kv_len"] = length
+        if item.op == "ones_like_ids":          # torch.ones(b, past_seen_tokens + q)
+            attrs["length"] = seen
+            if static and subs:                 # a decoding step's StaticCache counts in a tensor
+                name = put_new(Node(f"{item.name}/seq_length", "static_seq_length", item.inputs[:1], shape=()))
+                holds += [(name, u) for v, u in g.locals if v == item.name]
+        if item.op == "offset_ids":             # position_ids[:, past_seen_tokens:] + offset
+            attrs["columns"] = sub(item.shape)[-1]
         if item.op == "dropout" or item.op == "attention" and "dropout" in attrs:
             attrs["p" if item.op == "dropout" else "dropout"] = 0.0     # model.eval(): dropout is x itself
         if item.op == "attention" and sp.sympify(attrs.get("groups", 1)).xreplace(_root(g).bindings) == 1:
@@ -343,6 +354,8 @@ def _rebuilt(g: Graph, subs: dict, length, parent, static: bool = False, sdpa_ma
         if item.op == "input" and "shape" in attrs:
             attrs["shape"] = sub(attrs["shape"])
         node = replace(item, shape=sub(item.shape), attrs=tuple(sorted(attrs.items())))
+        if item.op in ("ones_like_ids", "cumsum_positions"):     # (b, positions seen)
+            node = replace(node, shape=(*node.shape[:-1], seen))
         if item.op == "causal_mask":           # (b, 1, q, positions cached)
             node = replace(node, shape=(*node.shape[:3], length))
             if sdpa_mask:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ShapeError
-from .core import BOOL, Footprint, TensorInfo, rule
+from .core import BOOL, I64, Footprint, TensorInfo, rule
 
-__all__ = ["kv_cache_rule", "static_update_temp", "static_sdpa_mask_rule", "sdpa_float_mask_rule"]
+__all__ = ["kv_cache_rule", "static_update_temp", "static_sdpa_mask_rule", "sdpa_float_mask_rule",
+           "static_seq_length_rule"]
 
 
 @rule("kv_cache")
@@ -73,3 +74,13 @@ def sdpa_float_mask_rule(node, ins, ctx):
     dt = ctx.autocast_dtype("scaled_dot_product_attention") or q.dtype
     return Footprint(TensorInfo((q.shape[0], sp.Integer(1), q.shape[2], mask.shape[-1]), dt, requires_grad=False),
                      grads=(None, None))
+
+
+@rule("static_seq_length")
+def static_seq_length_rule(node, ins, ctx):
+    """``seq_length = past_seen_tokens + q`` (OPT's ``OPTDecoder.forward``, transformers 5.24
+    ``modeling_opt.py`` line 353) when the cache counts in a tensor: ``StaticLayer.get_seq_length``
+    returns its ``cumulative_length`` (``cache_utils.py`` line 504), a 0-dim int64, once the
+    prefill has initialised it, so the sum is a new 0-dim int64 tensor: 8 bytes, a local of the
+    decoder until it returns. Input: the token ids (b, q)."""
+    return Footprint(TensorInfo((), I64, requires_grad=False), grads=(None,))

@@ -33,24 +33,37 @@ def positions_rule(node, ins, ctx):
 
 @rule("ones_like_ids")
 def ones_like_ids_rule(node, ins, ctx):
-    """OPT's ``torch.ones(b, s)`` position mask: float32, no gradient."""
-    return Footprint(TensorInfo(tuple(ins[0].shape), F32, requires_grad=False), grads=(None,))
+    """OPT's position mask: ``torch.ones(b, past_seen_tokens + q)`` for ids (b, q), float32,
+    no gradient (``OPTDecoder.forward``, transformers 5.24 ``modeling_opt.py`` lines 351-354,
+    when no ``attention_mask`` is passed). Attribute ``length``: its columns, every position
+    seen (with a KV cache, the cached ones and the step's: s + n_g in a decoding step that
+    brings the cache to s + n_g); the ids' q by default (training, the prefill)."""
+    ids = ins[0]
+    length = sp.sympify(node.attr("length", ids.shape[-1]))
+    return Footprint(TensorInfo((*ids.shape[:-1], length), F32, requires_grad=False), grads=(None,))
 
 
 @rule("cumsum_positions")
 def cumsum_positions_rule(node, ins, ctx):
-    """OPT's position ids from its mask m (b, s): ``c = cumsum(m); (c * m - 1).long()``: int64
+    """OPT's position ids from its mask m (b, n): ``c = cumsum(m); (c * m - 1).long()``: int64
     (8 bytes each); c (float32) lives until the result is made, beside ``c * m - 1`` (8 bytes
-    per element of scratch at the end; c, c * m and c * m - 1 before it: 12, less)."""
+    per element of scratch at the end; c, c * m and c * m - 1 before it: 12, less)
+    (``modeling_opt.py`` lines 357-359). Over every position seen: with a KV cache n is the
+    mask's s + n_g columns, of which ``position_ids[:, past_seen_tokens:]`` (line 361) keeps
+    the step's as a view (:func:`offset_ids_rule`), so the (b, n) int64 storage stays."""
     m = ins[0]
     return Footprint(TensorInfo(tuple(m.shape), I64, requires_grad=False), fwd_temp=8 * m.numel, grads=(None,))
 
 
 @rule("offset_ids")
 def offset_ids_rule(node, ins, ctx):
-    """``ids + offset`` (OPT's learned positions start at 2): a new int64 tensor."""
+    """``position_ids[:, past_seen_tokens:] + offset`` (OPT's learned positions start at 2;
+    ``modeling_opt.py`` lines 361 and 71): the slice a view, the sum a new int64 tensor of
+    its last ``columns`` columns (attribute: the step's q in a decoding step; all of them by
+    default)."""
     ids = ins[0]
-    return Footprint(TensorInfo(tuple(ids.shape), I64, requires_grad=False), grads=(None,))
+    columns = sp.sympify(node.attr("columns", ids.shape[-1]))
+    return Footprint(TensorInfo((*ids.shape[:-1], columns), I64, requires_grad=False), grads=(None,))
 
 
 @rule("position_embedding")
