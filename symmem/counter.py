@@ -294,8 +294,8 @@ def _terms_of(e) -> dict | None:
     hit = _TERMS_OF.get(e, False)
     if hit is False:
         hit = terms(e) if e.is_Add or e.is_Mul or e.is_Symbol or e.is_Number else None
-        if hit is None:
-            hit = terms(sp.expand(e))
+        if hit is None or any(not base.is_Symbol for key in hit for base, _ in key):
+            hit = terms(sp.expand(e))       # a ceiling or a Max expanded inside, as expand does
         if len(_TERMS_OF) < 1 << 16:
             _TERMS_OF[e] = hit
     return hit

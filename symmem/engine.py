@@ -235,6 +235,56 @@ class _Monomials:
         return _exactly_at(out, far.reshape(shape), exprs, syms, args) if integer and far.any() else out
 
 
+def _grid_values(ds: list, at: dict, grid_b, grid_s):
+    """The sums :func:`~symmem.bounds.terms` ``ds`` at every point of the (b, s) grid, the
+    other symbols at ``at``, in float64: one matrix product of their coefficients with each
+    distinct product's values (an atom such as ``ceiling(s/128)`` a numpy function of b and s)."""
+    import numpy as np
+    keys = {k: i for i, k in enumerate(dict.fromkeys(k for d in ds for k in d))}
+    xb, xs = grid_b.reshape(-1).astype(np.float64), grid_s.reshape(-1).astype(np.float64)
+    mono = np.ones((len(keys), xb.size))
+    for key, i in keys.items():
+        for base, ex in key:
+            if base == b:
+                v = xb
+            elif base == s:
+                v = xs
+            elif base in at:
+                v = float(at[base])
+            else:
+                v = _numeric(base.xreplace(at), xb, xs)
+            mono[i] *= v ** ex
+    coeffs = np.zeros((len(ds), len(keys)))
+    for r, d in enumerate(ds):
+        for key, c in d.items():
+            coeffs[r, keys[key]] = float(c)
+    return (coeffs @ mono).reshape((len(ds), *grid_b.shape))
+
+
+_NUMPY = {"Add": "add", "Mul": "multiply", "Max": "maximum", "Min": "minimum"}
+
+
+def _numeric(e, xb, xs):
+    """``e`` (numbers, b, s, sums, products, integer powers, ceilings, floors, Max, Min) at
+    the float64 points ``xb``, ``xs``: a ceiling of a tiled kernel's ``s/128`` without
+    sympy's code printer (``lambdify`` where ``e`` holds anything else)."""
+    import numpy as np
+    if e == b:
+        return xb
+    if e == s:
+        return xs
+    if e.is_Number:
+        return float(e)
+    name = type(e).__name__
+    if name in _NUMPY:
+        return getattr(np, _NUMPY[name]).reduce([np.broadcast_to(_numeric(x, xb, xs), xb.shape) for x in e.args])
+    if e.is_Pow and e.exp.is_Integer:
+        return _numeric(e.base, xb, xs) ** int(e.exp)
+    if isinstance(e, (sp.ceiling, sp.floor)):
+        return (np.ceil if isinstance(e, sp.ceiling) else np.floor)(_numeric(e.args[0], xb, xs))
+    return np.broadcast_to(sp.lambdify([b, s], e, "numpy")(xb, xs), xb.shape).astype(np.float64)
+
+
 def _beyond_int64(out, fns, exprs, syms, args, shape):
     """``out`` (the int64 evaluation of ``exprs``) with each point whose bytes may not fit in 64
     bits recomputed exactly: ``fns`` evaluated in float64 (the expressions, or a bound of their
@@ -448,8 +498,16 @@ class Estimate:
 
     @cached_property
     def totals(self) -> list[sp.Expr]:
-        """Each kept point's live bytes, expanded (the arguments of ``peak``, uncollected)."""
-        return [sp.expand(p.total) for p in self.points]
+        """Each kept point's live bytes, expanded (the arguments of ``peak``, uncollected): a
+        point's total is built expanded from its parts' terms (:attr:`Point.total`), expanded
+        again only where a part is not a sum of products."""
+        return [p.total if t is not None else sp.expand(p.total) for p, t in zip(self.points, self._terms)]
+
+    @cached_property
+    def _terms(self) -> list:
+        """Each kept point's total as :func:`~symmem.bounds.terms` (None where it is not a sum
+        of products)."""
+        return [merged_terms([e for _, e in p.parts]) for p in self.points]
 
     @property
     def timeline(self) -> list[Point]:
@@ -476,17 +534,23 @@ class Estimate:
         from .symbols import s_max
         top = int(self.bindings.get(s_max, b_max))
         at = {**self.bindings, **{symbol(k): sp.Integer(v) for k, v in fixed.items()}}
-        totals = [t.xreplace(at) for t in self.totals]
-        uses_s = any(s in t.free_symbols for t in totals)
+        by_terms = all(d is not None for d in self._terms)
+        totals = None if by_terms else [t.xreplace(at) for t in self.totals]
+        free = (set().union(*(base.free_symbols for d in self._terms for key in d for base, _ in key)) - set(at)
+                if by_terms else set().union(*(t.free_symbols for t in totals)))
         axis = [np.unique(np.round(np.logspace(0, np.log2(n), points, base=2)).astype(np.int64)) for n in (b_max, top)]
+        uses_s = s in free
         if not uses_s:        # an image model: b alone
             axis[1] = np.array([1], dtype=np.int64)
         grid_b, grid_s = np.meshgrid(*axis, indexing="ij")
-        rest = sp.Add(*[x for x in set().union(*(t.free_symbols for t in totals)) - {b, s}])
+        rest = sp.Add(*(free - {b, s}))
         if rest != 0:         # inference's n_g, an encoder-decoder's s_d: a value each, by keyword
             raise _unbound(rest, "the peak's candidates beside b and s (regions(..., n_g=...))")
-        f = [sp.lambdify([b, s], t, "numpy") for t in totals]
-        values = np.array([np.broadcast_to(fn(grid_b, grid_s), grid_b.shape).astype(float) for fn in f])
+        if by_terms:
+            values = _grid_values(self._terms, at, grid_b, grid_s)
+        else:
+            f = [sp.lambdify([b, s], t, "numpy") for t in totals]
+            values = np.array([np.broadcast_to(fn(grid_b, grid_s), grid_b.shape).astype(float) for fn in f])
         win = values.argmax(axis=0)
         out = []
         for i in np.unique(win):
