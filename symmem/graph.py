@@ -140,6 +140,7 @@ class Graph:
     _scope: dict = field(default_factory=dict)
     locals: tuple = ()        # ((value, until), …): a value the model's code keeps until a node ran
     attention: str | None = None   # the attention kernel the model asks for (a config's attn_implementation)
+    checkpointing: bool = True     # can its repeated blocks be checkpointed (transformers' gradient checkpointing)?
 
     # ----- building ---------------------------------------------------------------
     def param(self, name: str, shape, trainable: bool = True, dtype: str | None = None) -> Param:
@@ -335,7 +336,7 @@ class Graph:
             for n, sh in _defines(item):
                 g._shapes[n] = sh
         g.outputs, g.requirements, g.locals = self.outputs, self.requirements, self.locals
-        g.attention = self.attention
+        g.attention, g.checkpointing = self.attention, self.checkpointing
         g._taken = set(g._shapes) | self._taken
         return g
 
@@ -351,7 +352,8 @@ class Graph:
 
     def _rewritten(self, rewrite, parent, removed: set) -> "Graph":
         g = Graph(self.name, dict(self.bindings), parent=parent, externals=self.externals,
-                  outputs=self.outputs, requirements=self.requirements, attention=self.attention)
+                  outputs=self.outputs, requirements=self.requirements, attention=self.attention,
+                  checkpointing=self.checkpointing)
         g._taken = set(self._taken) if parent is None else parent._taken
         g._params = dict(self._params)
         holds = list(self.locals)

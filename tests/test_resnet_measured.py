@@ -268,3 +268,16 @@ def test_hf_config_keys():
         sm.models.from_hf_config({**keys, "hidden_sizes": [18, 32, 64, 128]})
     with pytest.raises(UnknownName, match="implementation"):
         sm.models.from_hf_config({**keys, "implementation": "timm"})
+
+
+def test_a_stage_is_one_repeated_block_and_recompute_is_refused():
+    """A stage's blocks after its first are one repeated block (resnet-152's third stage: 35
+    alike), which leaves the formulas as they were unrolled: at b = 8, 224 x 224, fp32 SGD,
+    2,191,110,816 bytes, as the unrolled graph gave. Neither implementation checkpoints its
+    blocks: recomputation is refused, not silently ignored."""
+    g = sm.models.preset("resnet-152")
+    assert [(r.name, int(r.count)) for r in g.repeats()] == [("layer1", 2), ("layer2", 7), ("layer3", 35),
+                                                             ("layer4", 2)]
+    assert sm.estimate(g, sm.Policy()).at(b=8).peak == 2_191_110_816
+    with pytest.raises(ConfigError, match="no gradient checkpointing"):
+        sm.estimate(g, sm.Policy(recompute="full"))

@@ -136,7 +136,7 @@ def cross_entropy(g: Graph, logits: str, labels: str) -> str:
 def build_resnet(cfg: ResNetConfig) -> Graph:
     """The operator graph of one training forward of a ResNet classifier, loss included."""
     inplace, hold_logits = IMPLEMENTATIONS[cfg.implementation]
-    g = Graph(cfg.name, cfg.bindings())
+    g = Graph(cfg.name, cfg.bindings(), checkpointing=False)     # no gradient checkpointing in ResNet
     g.require(cfg.stride, H, f"the image height is a multiple of the network's total stride ({cfg.stride})",
               kind="divides")
     g.require(cfg.stride, W, f"the image width is a multiple of the network's total stride ({cfg.stride})",
@@ -144,43 +144,53 @@ def build_resnet(cfg: ResNetConfig) -> Graph:
     x = g.input("pixel_values", (b, C, H, W), dtype="param")
     labels = g.input("labels", (b,))
 
-    def conv(name, y, c_in, c_out, k, stride):
+    def conv(g, name, y, c_in, c_out, k, stride):
         w = g.param(f"{name}.weight", (c_out, c_in, k, k))
         return g.add("conv2d", y, params=(w,), stride=stride, padding=k // 2, exact=True, name=name)
 
-    def bn(name, y, width):
+    def bn(g, name, y, width):
         params = (g.param(f"{name}.weight", (width,)), g.param(f"{name}.bias", (width,)))
         for buf in ("running_mean", "running_var"):
             g.buffer(f"{name}.{buf}", (width,), dtype="param")
         g.buffer(f"{name}.num_batches_tracked", (), dtype="int64")
         return g.add("batch_norm", y, params=params, name=name)
 
-    def relu(name, y):
+    def relu(g, name, y):
         return g.add("relu_" if inplace else "relu", y, name=name)
 
-    x = relu("relu", bn("bn1", conv("conv1", x, C, cfg.embedding_size, 7, 2), cfg.embedding_size))
+    def block(g, p, x, c_in, width, stride):
+        """One basic or bottleneck block named ``p`` on x (c_in channels)."""
+        if cfg.layer_type == "basic":
+            y = relu(g, f"{p}.relu1", bn(g, f"{p}.bn1", conv(g, f"{p}.conv1", x, c_in, width, 3, stride), width))
+            y = bn(g, f"{p}.bn2", conv(g, f"{p}.conv2", y, width, width, 3, 1), width)
+        else:
+            inner = width // 4
+            s1, s2 = (stride, 1) if cfg.downsample_in_bottleneck else (1, stride)
+            y = relu(g, f"{p}.relu1", bn(g, f"{p}.bn1", conv(g, f"{p}.conv1", x, c_in, inner, 1, s1), inner))
+            y = relu(g, f"{p}.relu2", bn(g, f"{p}.bn2", conv(g, f"{p}.conv2", y, inner, inner, 3, s2), inner))
+            y = bn(g, f"{p}.bn3", conv(g, f"{p}.conv3", y, inner, width, 1, 1), width)
+        identity = x
+        if c_in != width or stride != 1:
+            identity = bn(g, f"{p}.downsample.1", conv(g, f"{p}.downsample.0", x, c_in, width, 1, stride), width)
+        y = g.add("add", y, identity, inplace=True, name=f"{p}.residual")
+        out = relu(g, f"{p}.relu", y)
+        g.hold(identity, until=out)      # the block's local `identity` (`residual`) until it returns
+        return out
+
+    x = relu(g, "relu", bn(g, "bn1", conv(g, "conv1", x, C, cfg.embedding_size, 7, 2), cfg.embedding_size))
     x = g.add("max_pool2d", x, kernel=3, stride=2, padding=1, exact=True, name="maxpool")
     c_in = cfg.embedding_size
     for i, (width, depth) in enumerate(zip(cfg.hidden_sizes, cfg.depths)):
-        for j in range(depth):
-            stride = 2 if j == 0 and (i > 0 or cfg.downsample_in_first_stage) else 1
-            p = f"layer{i + 1}.{j}"
-            if cfg.layer_type == "basic":
-                y = relu(f"{p}.relu1", bn(f"{p}.bn1", conv(f"{p}.conv1", x, c_in, width, 3, stride), width))
-                y = bn(f"{p}.bn2", conv(f"{p}.conv2", y, width, width, 3, 1), width)
-            else:
-                inner = width // 4
-                s1, s2 = (stride, 1) if cfg.downsample_in_bottleneck else (1, stride)
-                y = relu(f"{p}.relu1", bn(f"{p}.bn1", conv(f"{p}.conv1", x, c_in, inner, 1, s1), inner))
-                y = relu(f"{p}.relu2", bn(f"{p}.bn2", conv(f"{p}.conv2", y, inner, inner, 3, s2), inner))
-                y = bn(f"{p}.bn3", conv(f"{p}.conv3", y, inner, width, 1, 1), width)
-            identity = x
-            if c_in != width or stride != 1:
-                identity = bn(f"{p}.downsample.1", conv(f"{p}.downsample.0", x, c_in, width, 1, stride), width)
-            y = g.add("add", y, identity, inplace=True, name=f"{p}.residual")
-            x = relu(f"{p}.relu", y)
-            g.hold(identity, until=x)      # the block's local `identity` (`residual`) until it returns
-            c_in = width
+        # a stage's first block (which may change the width and the size), then its other
+        # blocks, alike: one repeated block, so that a deep stage costs what a shallow one does
+        stride = 2 if i > 0 or cfg.downsample_in_first_stage else 1
+        x = block(g, f"layer{i + 1}.0", x, c_in, width, stride)
+        c_in = width
+        if depth == 2:
+            x = block(g, f"layer{i + 1}.1", x, width, width, 1)
+        elif depth > 2:
+            x = g.repeat(depth - 1, lambda sub, y, rest=f"layer{i + 1}.1-{depth - 1}", width=width:
+                         block(sub, rest, y, width, width, 1), x, name=f"layer{i + 1}")
     x = g.add("mean_pool", x, name="avgpool")
     x = g.add("flatten", x, name="flatten")
     fc = (g.param("fc.weight", (n_c, c_in)), g.param("fc.bias", (n_c,)))

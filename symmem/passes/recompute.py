@@ -50,6 +50,10 @@ def prepare(graph: Graph, policy) -> Graph:
     ``last:N`` and ``layers``, :mod:`symmem.passes.regions` has split each repeated block where
     the recomputed layers start and end and annotated their part ``checkpoint=True``.)"""
     spec = policy.recompute
+    if spec.mode not in ("none", "nodes") and not graph.checkpointing:
+        raise ConfigError("recompute", str(spec), f"none for {graph.name!r}: its implementation has no gradient "
+                          "checkpointing (transformers' ResNet does not support it; torchvision's checkpoints nothing)",
+                          "Leave --recompute out, or name the nodes you checkpoint yourself (Recompute.nodes(...)).")
     if spec.mode not in ("every", "nth"):
         return graph
     if spec.mode == "nth" and not graph.repeats():
