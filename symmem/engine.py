@@ -504,6 +504,11 @@ class Estimate:
         return [p.total if t is not None else sp.expand(p.total) for p, t in zip(self.points, self._terms)]
 
     @cached_property
+    def peak_symbols(self) -> frozenset:
+        """The symbols the peak depends on (those of its candidates)."""
+        return frozenset().union(*(t.free_symbols for t in self.totals))
+
+    @cached_property
     def _terms(self) -> list:
         """Each kept point's total as :func:`~symmem.bounds.terms` (None where it is not a sum
         of products)."""
@@ -884,6 +889,52 @@ class CompiledEstimate:
             out.append(exact.compile(self.est.totals[i], self.bindings) if d is None
                        else exact.compile_terms(d, self.bindings))
         return out
+
+    def polynomials(self, x, known: dict) -> list:
+        """Each candidate as a polynomial in ``x`` with every other symbol at ``known``: its
+        coefficients, lowest degree first (ints or Fractions), or None where it is not one
+        (:meth:`symmem.exact.Compiled.polynomial`, the same numbers). The candidates share
+        most of their products of the other symbols: each is evaluated once per call."""
+        plan = self._plans.get(x)
+        if plan is None:
+            monos: dict = {}
+            terms = []
+            for f in self.totals:
+                p = f._in(x)
+                terms.append(None if p is None else tuple(
+                    (deg, c, monos.setdefault(tuple((f.gens[j], e) for j, e in others), len(monos)))
+                    for deg, c, others in p))
+            plan = self._plans[x] = (tuple(monos), terms)
+        monos, terms = plan
+        values = []
+        for mono in monos:
+            num, den = 1, 1
+            for g, e in mono:
+                if e > 0:
+                    num *= known[g] ** e
+                else:
+                    den *= known[g] ** -e
+            values.append(num if den == 1 else Fraction(num, den))
+        out = []
+        for p in terms:
+            if p is None:
+                out.append(None)
+                continue
+            coeffs: dict = {}
+            for deg, c, m in p:
+                coeffs[deg] = coeffs.get(deg, 0) + c * values[m]
+            top = max(coeffs, default=0)
+            out.append([coeffs.get(k, 0) for k in range(top + 1)])
+        return out
+
+    @cached_property
+    def _plans(self) -> dict:
+        return {}
+
+    @cached_property
+    def gens(self) -> frozenset:
+        """The symbols left free in the candidates."""
+        return frozenset().union(*(f.gens for f in self.totals))
 
     def parts(self, i: int) -> list:
         """The roles' bytes of candidate ``i``: [(role, function), ...]."""

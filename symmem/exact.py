@@ -36,25 +36,48 @@ class Compiled:
         ({symbol: int}, every symbol of :attr:`gens` given; others are ignored)."""
         if self.terms is None:
             return number(self.expr.xreplace({k: sp.Integer(x) for k, x in values.items()}))
-        xs = [values[g] for g in self.gens]
-        return sum(_term(c, zip(xs, exps)) for exps, c in self.terms)
+        (value,) = self.polynomial(None, {g: values[g] for g in self.gens})
+        return value
 
     def polynomial(self, x, values: dict) -> list | None:
         """The formula as a polynomial in ``x`` with every other symbol of :attr:`gens` at
         its value: its coefficients, lowest degree first, each an int or Fraction; None when
         it is not one (a negative power of ``x``, or a factor that is not a monomial)."""
-        if self.terms is None:
+        plan = self._in(x)
+        if plan is None:
             return None
-        i = self.gens.index(x) if x in self.gens else None
+        xs = [values.get(g) for g in self.gens]
         coeffs: dict = {}
-        for exps, c in self.terms:
-            deg = 0 if i is None else exps[i]
-            if deg < 0:
-                return None
-            rest = ((values[g], e) for j, (g, e) in enumerate(zip(self.gens, exps)) if j != i)
-            coeffs[deg] = coeffs.get(deg, 0) + _term(c, rest)
+        for deg, c, others in plan:
+            num, den = c, 1
+            for j, e in others:
+                if e > 0:
+                    num = num * xs[j] ** e
+                else:
+                    den *= xs[j] ** -e
+            coeffs[deg] = coeffs.get(deg, 0) + (num if den == 1 else Fraction(num, den))
         top = max(coeffs, default=0)
         return [coeffs.get(k, 0) for k in range(top + 1)]
+
+    def _in(self, x) -> tuple | None:
+        """Each term as (degree in ``x``, coefficient, ((index, exponent) of every other
+        symbol, ...)), read once per ``x`` and kept (a solve reads every candidate's); None
+        when the formula is not a polynomial in ``x``."""
+        memo = self.__dict__.setdefault("_plans", {})
+        if x not in memo:
+            plan = None
+            if self.terms is not None:
+                i = self.gens.index(x) if x in self.gens else None
+                plan = []
+                for exps, c in self.terms:
+                    deg = 0 if i is None else exps[i]
+                    if deg < 0:
+                        plan = None
+                        break
+                    plan.append((deg, c, tuple((j, e) for j, e in enumerate(exps) if e and j != i)))
+                plan = None if plan is None else tuple(plan)
+            memo[x] = plan
+        return memo[x]
 
 
 def _term(c, powers):

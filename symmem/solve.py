@@ -172,25 +172,27 @@ class _Peak:
         self.est, self.free, self.known = est, None, None
         free = {x} | {k for k, v in subs.items() if est.bindings.get(k) != v}
         known = {k: number(v) for k, v in subs.items()}
-        for f in est.compiled(free).totals:
-            extra = set(f.gens) - set(known) - {x}
-            if extra:
-                names = sorted(str(v) for v in extra)
-                raise ConfigError("values", names, f"a value for every symbol but {x}",
-                                  f"Pass them, e.g. {names[0]}=....")
-            coeffs = f.polynomial(x, known)
+        given = set(known) | {x}
+        compiled = est.compiled(free)
+        if not given.issuperset(compiled.gens):
+            names = sorted(str(v) for v in compiled.gens - given)
+            raise ConfigError("values", names, f"a value for every symbol but {x}",
+                              f"Pass them, e.g. {names[0]}=....")
+        for f, coeffs in zip(compiled.totals, compiled.polynomials(x, known)):
             if coeffs is None:
                 e = f.expr.xreplace({k: sp.sympify(v) for k, v in known.items()})
                 self.polys.append((None, e))
                 continue
             den = 1
             for c in coeffs:
-                if isinstance(c, Fraction):
+                if type(c) is Fraction:
                     den = den * c.denominator // gcd(den, c.denominator)
-            self.polys.append(([int(c * den) for c in reversed(coeffs)], den))
+            self.polys.append((coeffs[::-1] if den == 1 else [int(c * den) for c in reversed(coeffs)], den))
         if x == b and est.at_one is not est:      # b = 1: the step derived for it
-            one = est.at_one.compiled(free).totals
-            self.one = max(number(f({**known, b: 1})) for f in one)
+            ones = est.at_one.compiled(free)
+            at = {**known, b: 1}
+            self.one = max(number(sum(c) if c is not None else f(at))
+                           for f, c in zip(ones.totals, ones.polynomials(b, known)))
             self.free, self.known = free, known
         self.search = _frontier(self.polys)
 
@@ -301,8 +303,8 @@ def _askable(est: Estimate, x) -> None:
     if x in (M, R):
         raise ConfigError("symbol", str(x), "a dimension (b, s, h, a, L, V, ...), not the budget or the "
                           "reserve", "Those are given (--budget, --reserve); ask for what fits in them.")
-    if not any(x in t.free_symbols for t in est.totals):
-        used = sorted({str(v) for t in est.totals for v in t.free_symbols if v in DIMENSIONS})
+    if x not in est.peak_symbols:
+        used = sorted(str(v) for v in est.peak_symbols if v in DIMENSIONS)
         raise ConfigError("symbol", str(x), f"a symbol the peak of {est.graph.name} depends on: "
                           f"{', '.join(used)}", f"Memory does not change with {x} in this model.")
 
