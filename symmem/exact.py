@@ -80,17 +80,6 @@ class Compiled:
         return memo[x]
 
 
-def _term(c, powers):
-    """``c * x1**e1 * x2**e2 ...`` over ``powers`` ((x, e), ...): an int where it is whole."""
-    num, den = c, 1
-    for x, e in powers:
-        if e > 0:
-            num = num * x ** e
-        elif e < 0:
-            den *= x ** -e
-    return num if den == 1 else Fraction(num, den)
-
-
 def compile(expr, bindings: dict) -> Compiled:
     """``expr`` with ``bindings`` ({symbol: number}) substituted, read into its terms."""
     e = sp.expand(sp.sympify(expr).xreplace(bindings))
