@@ -62,7 +62,7 @@ def _collect(d: dict) -> sp.Expr:
     groups: dict = {}
     rest = []
     for key, c in d.items():
-        power, term = _split(key, c)
+        power, term = _grouped(key, c)
         if power is None:
             rest.append(term)
         else:
@@ -70,14 +70,14 @@ def _collect(d: dict) -> sp.Expr:
     return total([_times(key, total(terms)) for key, terms in groups.items()] + rest)
 
 
-_SPLITS: dict = {}
+_GROUPED: dict = {}
 
 
-def _split(key: frozenset, c) -> tuple:
+def _grouped(key: frozenset, c) -> tuple:
     """(``L**k``, the rest of the term) for the first of L, b, s the term ``c * key`` holds,
     else (None, the term): built once per term and kept, as the candidates of a step share
     most of theirs (and the same objects sort and hash at once)."""
-    hit = _SPLITS.get((key, c))
+    hit = _GROUPED.get((key, c))
     if hit is None:
         factors = dict(key)
         power = None
@@ -87,8 +87,8 @@ def _split(key: frozenset, c) -> tuple:
                 power = x ** k
                 break
         hit = (power, product(c, [base if ex == 1 else base ** ex for base, ex in factors.items()]))
-        if len(_SPLITS) < 1 << 16:
-            _SPLITS[key, c] = hit
+        if len(_GROUPED) < 1 << 16:
+            _GROUPED[key, c] = hit
     return hit
 
 
