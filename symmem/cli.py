@@ -449,7 +449,7 @@ def _graph(args):
         cfg = replace(cfg, shared_qkv=True)
     graph = fam.build(cfg)
     if "layers" in share:
-        blocks = [rep.name for rep in graph.repeats()]
+        blocks = [rep.name for rep in graph.layer_blocks()]
         if len(blocks) != 1:
             raise ConfigError("--share", "layers", "a model with one repeated block",
                               f"{graph.name!r} has {len(blocks)}: share them in Python with "

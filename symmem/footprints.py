@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import sympy as sp
 
-from .errors import ShapeError
+from .errors import ConfigError, ShapeError
 from .requirements import Requirement
 from .plan import Key
 from .rules import Footprint, get_rule
@@ -99,6 +99,7 @@ class _Tracer:
         n = sp.sympify(rep.count)
         copies = int(n) if n.is_Integer and n < COPIES else COPIES
         dtypes = []
+        t.copies[rep.name] = copies
         for c in range(1, copies + 1):
             t.order.append(("begin", rep, c))
             self.items(rep.body.items, c, rep)
@@ -107,7 +108,6 @@ class _Tracer:
                            for i, o in enumerate(rep.output)])
         for name, o in zip(rep.names, rep.output):
             t.outer[name] = (o, copies)
-        t.copies[rep.name] = copies
         if copies < COPIES or not self.strict:
             return
         for (x1, y1), (x2, y2) in zip(*dtypes[:2]):
@@ -131,10 +131,25 @@ class _Tracer:
             return self.t.outer.get(rep.carried[i], (rep.carried[i], 0))
         return rep.output[i], copy - 1
 
+    def recorded(self, node, copy: int, rep):
+        """Where a ``recorded`` node's value is: the same copy of the block it names, whose
+        iterations this block's match one to one (the same count, traced as as many copies)."""
+        block, value = node.attr("block"), node.attr("value")
+        if rep is None or self.t.copies.get(block) != self.t.copies[rep.name] \
+                or (value, copy) not in self.t.info:
+            raise ConfigError("recorded value", value, f"a value of the block of layers {block!r}, traced "
+                              f"before, whose iterations the loop {rep.name if rep else ''!r} walks one to one",
+                              "Keep the block of layers whole: splitting or regrouping its layers (recompute "
+                              "last:N, layers(...), every:K; pipeline stages) is not modelled with a loop "
+                              "over them.")
+        return value, copy
+
     def node(self, node, copy: int, rep):
         t = self.t
         if node.op == "carry" and rep is not None:
             inputs = (self.carried(rep, copy, node.attr("index", 0)),)
+        elif node.op == "recorded":
+            inputs = (self.recorded(node, copy, rep),)
         else:
             inputs = tuple(self.where(v, copy, rep) for v in node.inputs)
         ctx = self.ctx.float32() if node.attr("fp32") else self.ctx

@@ -123,6 +123,14 @@ class Repeat:
         """((start, stop, value), ...) of the layer ranges that set attribute ``key``."""
         return tuple((a, z, dict(at)[key]) for a, z, at in self.layer_attrs if key in dict(at))
 
+    @property
+    def loop_of(self) -> str:
+        """The block whose layers this block walks again (its body reads each layer's values
+        through :meth:`Graph.recorded`: a Python loop over what an output recorder kept), or ""
+        for a block of layers. Passes that act on layers (recomputation, layer ranges) leave
+        such a loop alone."""
+        return next((n.attr("block") for n in self.body.items if isinstance(n, Node) and n.op == "recorded"), "")
+
 
 @dataclass
 class Graph:
@@ -214,9 +222,25 @@ class Graph:
         must hold for any values the model is evaluated at."""
         self.requirements = self.requirements + (Requirement(sp.sympify(lhs), sp.sympify(rhs), reason, kind),)
 
+    def recorded(self, block: str, value: str, name: str) -> str:
+        """``value`` of the repeated block ``block``, read again by the same iteration of the
+        block this graph is the body of: a list a forward hook filled layer by layer, walked by a
+        loop after the layers ran (transformers' output recorder keeps each layer's router
+        logits; the load-balancing loss loops over them). The tensor itself: nothing allocated,
+        its gradient handed to the layer's value. Both blocks must have the same count."""
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        _, rep = root._repeat_item(block)
+        shape = rep.body._shapes.get(value)
+        if shape is None or any(n.name == value and n.op == "carry" for n in rep.body.items):
+            raise ConfigError("recorded value", value, f"a value computed in the body of block {block!r}")
+        return self.add("recorded", name=name, block=block, value=value, shape=shape)
+
     def output(self, value: str) -> str:
         """Mark ``value`` as returned by the forward pass (e.g. the logits in a model's
-        output object): it stays alive until forward ends. The last node is the loss."""
+        output object): it stays alive until forward ends; in a repeated body, each iteration's
+        (the router logits a recorder kept, :meth:`recorded`). The last node is the loss."""
         self.shape(value)
         self.outputs = self.outputs + (value,)
         return value
@@ -256,7 +280,13 @@ class Graph:
         for v, y in zip(xs, ys):
             if child._shapes.get(y) != self._lookup_shape(v):
                 raise ShapeError(name, child._shapes.get(y), f"the body to return its input's shape {self._lookup_shape(v)}")
-        self.items.append(Repeat(name, count, child, xs, ys, self._lookup_shape(xs[0]), names))
+        rep = Repeat(name, count, child, xs, ys, self._lookup_shape(xs[0]), names)
+        if rep.loop_of:        # a loop over a block's layers: as many iterations as it has layers
+            _, layers = self._repeat_item(rep.loop_of)
+            if sp.expand(layers.count - count) != 0:
+                raise ConfigError(f"count of repeat {name!r}", count, f"the count of the block it walks, "
+                                  f"{rep.loop_of!r} ({layers.count})")
+        self.items.append(rep)
         for n, v in zip(names, xs):
             self._shapes[n] = self._lookup_shape(v)
         return names if several else names[0]
@@ -323,6 +353,11 @@ class Graph:
     def repeats(self) -> list[Repeat]:
         """The repeated blocks, in order."""
         return [item for item in self.items if isinstance(item, Repeat)]
+
+    def layer_blocks(self) -> list[Repeat]:
+        """The repeated blocks of layers, in order: the repeats but the loops over what a block's
+        layers recorded (:attr:`Repeat.loop_of`)."""
+        return [rep for rep in self.repeats() if not rep.loop_of]
 
     def nodes(self):
         """Every node, those of the repeated bodies included (each once)."""

@@ -106,8 +106,11 @@ class _Lowering:
                 for c in copies:
                     # one holder per (value, until): a value two locals refer to lives until both let go
                     holder = f"local:{value}>{until}" + (f"#{c}" if c else "")
-                    self.locals.setdefault((value, c), []).append(holder)
+                    # (a block's output held outside it: its last iteration's value)
+                    self.locals.setdefault(self._where(value) if c == 0 else (value, c), []).append(holder)
                     self.until.setdefault((until, c), []).append(holder)
+        # the values the model returns (held until forward ends): a repeated body's, each iteration's
+        self.outputs = {o for g in graph.graphs() for o in g.outputs}
 
     def _where(self, value: str):
         """Where the outer value ``value`` is defined (a block's output: its last copy)."""
@@ -199,7 +202,7 @@ class _Lowering:
             is_input = inst.node.op == "input"
             out = None if (fp.alias is not None or is_input) else inst.out
             reads = tuple(dict.fromkeys(self.storage[i] for i in inst.inputs))
-            if inst.name in self.graph.outputs and inst.copy == 0:
+            if inst.name in self.outputs:
                 holds.append(Hold(inst.out, OUTPUTS))
             if inst is self.order_last:      # the loss: the training loop keeps it for the whole step
                 holds.append(Hold(inst.out, LOOP))

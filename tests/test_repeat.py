@@ -63,3 +63,45 @@ def test_deriving_does_not_unroll():
     assert len(str(small).splitlines()) == len(str(big).splitlines())
     est = sm.estimate(big, sm.Policy())
     assert L in est.components["activations"].free_symbols
+
+
+def walked_graph(count=L):
+    """A block of layers (x -> silu(x)) and a loop over what each layer made (``Graph.recorded``):
+    each layer's output softmaxed and summed over the rows into a running (h,) sum, the loss its
+    sum."""
+    g = sm.Graph("walked", {})
+    x = g.input("x", (b, h), dtype="float32", requires_grad=True)
+    g.repeat(L, lambda g, x: g.add("silu", x, name="layers/act"), x)
+    zero = g.add("index_tensor", shape=(h,), dtype="float32", name="sum0")
+
+    def walk(g, total):
+        act = g.recorded("layers", "layers/act", name="walk/act")
+        g.output(act)
+        rows = g.add("sum_rows", g.add("softmax", act, name="walk/softmax"), name="walk/rows")
+        return g.add("add", total, rows, name="walk/total")
+    g.add("sum_all", g.repeat(count, walk, zero, name="walk"), name="loss")
+    return g
+
+
+def test_loop_over_recorded_values():
+    """Each layer saves silu's input, the loop each layer's softmax (float32, as the input):
+    2 L b h 4 for backward; the loop is no block of layers (passes leave it alone)."""
+    g = walked_graph()
+    assert [r.name for r in g.layer_blocks()] == ["layers"] and g.repeats()[1].loop_of == "layers"
+    est = sm.estimate(g, sm.Policy("fp32", "sgd", "cpu"))
+    assert sp.expand(est.components["activations"] - 8 * L * b * h) == 0
+    # at L = 4, b = 2, h = 8: 2 * 4 * 2 * 8 * 4 = 512 bytes saved
+    assert est.at(b=2, s=1, L=4, h=8).bytes["activations"] == 512
+
+
+def test_recorded_value_checked():
+    """``Graph.recorded`` names a value computed in the block's body; a loop over a block's
+    layers has its count."""
+    g = sm.Graph("toy", {})
+    x = g.input("x", (b, h), dtype="float32", requires_grad=True)
+    g.repeat(L, lambda g, x: g.add("silu", x, name="layers/act"), x)
+    with pytest.raises(sm.ConfigError, match="recorded value = 'layers/in' is not valid"):
+        g.repeat(L, lambda g, y: (g.recorded("layers", "layers/in", name="walk/x"), y)[1], x, name="walk")
+    with pytest.raises(sm.ConfigError, match="count of repeat 'walk2' = L - 1 is not valid"):
+        g.repeat(L - 1, lambda g, y: g.add("add", y, g.recorded("layers", "layers/act", name="walk2/x"),
+                                          name="walk2/y"), x, name="walk2")

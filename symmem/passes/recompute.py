@@ -56,10 +56,10 @@ def prepare(graph: Graph, policy) -> Graph:
                           "Leave --recompute out, or name the nodes you checkpoint yourself (Recompute.nodes(...)).")
     if spec.mode not in ("every", "nth"):
         return graph
-    if spec.mode == "nth" and not graph.repeats():
+    if spec.mode == "nth" and not graph.layer_blocks():
         raise ConfigError("recompute", str(spec), "a model with a repeated block of layers",
                           "Use Recompute.layers(...) or Recompute.nodes(...) on an unrolled graph.")
-    for rep in graph.repeats():
+    for rep in graph.layer_blocks():
         bound = sp.sympify(sp.sympify(rep.count).xreplace(graph.bindings))
         if bound.is_Integer and int(bound) % spec.k:
             divisors = [f"{spec.mode}:{d}" for d in range(1, int(bound) + 1) if int(bound) % d == 0]
@@ -90,7 +90,7 @@ def regions(plan: Plan, graph: Graph, spec) -> list[list[int]]:
     if spec.mode == "nth":     # the first layer of each group of N (prepare grouped them)
         return _runs(fwd, layer, lambda e: layer[id(e)] is not None and isinstance(layer[id(e)][0], str)
                      and e.node.startswith(f"{layer[id(e)][0]}/0/"))
-    marked = {rep.name for rep in graph.repeats() if spec.mode in ("full", "every") or rep.layers_with("checkpoint")}
+    marked = {rep.name for rep in graph.layer_blocks() if spec.mode in ("full", "every") or rep.layers_with("checkpoint")}
 
     def chosen(e):
         if layer[id(e)] is None:

@@ -93,7 +93,7 @@ def _span(field: str, item: str, policy, n, bound, block: str, bindings: dict):
 
 def prepare(graph: Graph, policy) -> Graph:
     ranges = _ranges(policy)
-    reps = graph.repeats()
+    reps = graph.layer_blocks()
     named = [(f, i) for f, i in ranges if f != "recompute"]
     if named and len(reps) != 1:
         raise ConfigError(named[0][0], named[0][1], "a layer range of a model with one repeated block",

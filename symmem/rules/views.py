@@ -8,7 +8,7 @@ import sympy as sp
 from ..errors import ShapeError
 from .core import BOOL, F32, F64, I64, DType, Footprint, TensorInfo, _grads, rule
 
-__all__ = ["input_rule", "carry_rule", "split_rule", "heads_rule", "repeat_kv_rule", "merge_heads_rule"]
+__all__ = ["input_rule", "carry_rule", "recorded_rule", "unbound_rule", "split_rule", "heads_rule", "repeat_kv_rule", "merge_heads_rule"]
 
 
 @rule("input")
@@ -30,6 +30,24 @@ def input_rule(node, ins, ctx):
 def carry_rule(node, ins, ctx):
     """The value a repeated block receives: the same tensor, nothing allocated."""
     return Footprint(ins[0], alias=0, grads=("pass",))
+
+
+@rule("recorded")
+def recorded_rule(node, ins, ctx):
+    """A layer's value read again after the layers ran (:meth:`symmem.graph.Graph.recorded`):
+    the same tensor, nothing allocated; its gradient is handed to the layer's value. (At build
+    time, before the trace hands it the tensor, only its shape is known.)"""
+    if not ins:
+        return Footprint(TensorInfo(tuple(node.attr("shape")), F32))
+    return Footprint(ins[0], alias=0, grads=("pass",))
+
+
+@rule("unbound")
+def unbound_rule(node, ins, ctx):
+    """A Python name a loop binds in its first iteration and rebinds in each next one (the
+    load-balancing loss's ``_, selected_experts``), as the loop's carried value before it: no
+    tensor yet, 0 bytes, of ``shape``."""
+    return Footprint(TensorInfo(tuple(node.attr("shape")), DType("unbound", sp.Integer(0), 0), requires_grad=False))
 
 
 @rule("split")
