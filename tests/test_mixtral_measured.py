@@ -219,7 +219,7 @@ def test_config_json_keys():
     assert fam.name == "mixtral" and cfg == sm.models.PRESETS["mixtral-8x7b"].__class__(
         **{**vars(sm.models.PRESETS["mixtral-8x7b"]), "name": "mixtral"})
     assert {k: fam.classify(k) for k in ("num_experts", "router_aux_loss_coef", "output_router_logits")} == \
-        {"num_experts": "alias", "router_aux_loss_coef": "ignored", "output_router_logits": "unmodelled"}
+        {"num_experts": "alias", "router_aux_loss_coef": "ignored", "output_router_logits": "field"}
     _, cfg = sm.models.hf_config({**published, "num_local_experts": None, "num_experts": 4} | {"num_local_experts": 4})
     assert cfg.num_local_experts == 4
 
@@ -234,7 +234,7 @@ BASE = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64, "nu
     ({"num_key_value_heads": 3}, "num_key_value_heads = 3 is not valid: expected a divisor of the number of "
                                  "attention heads (4)"),
     ({"num_local_experts": 0}, "num_local_experts = 0 is not valid: expected a positive integer"),
-    ({"output_router_logits": True}, "output_router_logits = True is not valid: expected false, the only value"),
+    ({"output_router_logits": 1}, "output_router_logits = 1 is not valid: expected true or false"),
     ({"router_jitter_noise": 0.1}, "router_jitter_noise = 0.1 is not valid: expected 0.0 or 0"),
     ({"experts_implementation": "eager"}, "experts_implementation = 'eager' is not valid: expected \"grouped_mm\""),
     ({"hidden_act": "gelu"}, "unknown hidden_act 'gelu'"),

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..graph import Graph
-from ..symbols import E, K, b, f, h, s
+from ..symbols import E, K, L, b, f, h, s
 from .llama import IGNORED as LLAMA_IGNORED, UNMODELLED as LLAMA_UNMODELLED, Decoder, build_decoder, check_decoder
 from .registry import Family, Unmodelled, register
 from . import checks
 
-__all__ = ["MixtralConfig", "build_mixtral", "moe_block", "ep_experts", "EXPERTS", "PRESETS", "HF_IDS", "UNMODELLED",
+__all__ = ["MixtralConfig", "build_mixtral", "moe_block", "load_balancing_loss", "ep_experts", "EXPERTS", "PRESETS", "HF_IDS", "UNMODELLED",
            "IGNORED", "FAMILY"]
 
 #: The nodes of :func:`moe_block` that run the experts (from the sorted pairs to the summed
@@ -66,11 +66,13 @@ class MixtralConfig:
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
     attn_implementation: str | None = None
+    output_router_logits: bool = False
     name: str = "mixtral"
 
     def __post_init__(self):
         check_decoder(self)
         checks.positive_ints(self, "num_local_experts", "num_experts_per_tok")
+        checks.booleans(self, "output_router_logits")
         if self.num_experts_per_tok > self.num_local_experts:
             raise ConfigError("num_experts_per_tok", self.num_experts_per_tok,
                               f"at most the number of experts num_local_experts ({self.num_local_experts})",
@@ -217,11 +219,81 @@ def ep_experts(g: Graph, ep, worst: bool = False) -> str:
     return g.add("type_as", summed, rows, name=EXPERTS_OUT)
 
 
+def load_balancing_loss(g: Graph, loss: str) -> str:
+    """``output_router_logits``: transformers' ``load_balancing_loss_func`` (``modeling_mixtral.py``
+    lines 475-546, ``attention_mask`` None: training without padding) on the router logits the
+    output recorder kept, one (N, E) tensor per layer, then ``loss += router_aux_loss_coef *
+    aux_loss`` (line 633, in place); returns the loss.
+
+    The recorder (``OutputRecorder(MixtralTopKRouter, index=0)``, ``utils/output_capturing.py``)
+    appends each layer's logits to a list that the model's outputs keep until forward ends. The
+    loss loops over the layers: ``softmax`` (saved for backward, L of them), ``topk`` (its
+    values ``_`` and the int64 indices live until the next iteration rebinds them; the values'
+    TopkBackward0 node goes with them), ``histc`` of a float32 copy of the indices (S floats)
+    added to a running (E,) count, ``routing_weights.float().sum(dim=0)`` added to a running
+    (E,) sum. Then both divided by the rows (a Python number: the sum's division keeps it as
+    a 0-dim float64), the product of the two (which keeps the token fractions for backward),
+    ``torch.sum``, times E (a Python int kept as a 0-dim int64) and times the coefficient (a
+    0-dim float64). The loss's value is returned in the outputs as ``aux_loss``.
+
+    Backward runs the load-balancing loss first (its nodes are the newest): each layer's
+    logits receive a (N, E) gradient that waits, in the dtype of the logits, until that
+    layer's backward reaches its router, where the router's own gradient is added to it."""
+    N, S = b * s, b * s * K
+
+    def add(op, *inputs, name, **attrs):
+        return g.add(op, *inputs, name=f"aux/{name}", **attrs)
+
+    # torch.zeros(num_experts) twice; `_` and `selected_experts` are not bound yet
+    counts0 = add("index_tensor", shape=(E,), dtype="float32", name="tokens_per_expert_sum0")
+    probs0 = add("index_tensor", shape=(E,), dtype="float32", name="router_prob_sum0")
+    values0 = add("unbound", shape=(N, K), name="values0")
+    index0 = add("unbound", shape=(N, K), name="selected_experts0")
+
+    def layer(g: Graph, carried):
+        counts, probs, values_before, index_before = carried
+
+        def add(op, *inputs, name, **attrs):
+            return g.add(op, *inputs, name=f"aux/{name}", **attrs)
+
+        logits = g.recorded("layers", "layers/mlp.gate", name="aux/layer_gate")
+        g.output(logits)                   # in the outputs' router_logits until forward ends
+        weights = add("softmax", logits, name="routing_weights")
+        index = add("topk_indices", weights, k=K, name="selected_experts")
+        values = add("topk", weights, index, discarded=True, name="values")
+        for value in (values_before, index_before):      # rebound by this topk
+            g.hold(value, until=values)
+        # histc(selected_experts.reshape(-1).to(float32), bins=E) (float32 on the CPU, int32
+        # on CUDA: 4 bytes either way), added to the running count
+        flat = add("index_tensor", index, shape=(S,), dtype="float32", name="histc_input")
+        hist = add("index_tensor", flat, shape=(E,), dtype="float32", name="histc")
+        counts = add("add", counts, hist, name="tokens_per_expert_sum")
+        summed = add("sum_rows", add("to_float32", weights, name="routing_weights_float"), name="router_prob")
+        probs = add("add", probs, summed, name="router_prob_sum")
+        return counts, probs, values, index
+
+    counts, probs, values, index = g.repeat(L, layer, (counts0, probs0, values0, index0), name="aux")
+    fractions = add("index_tensor", counts, shape=(E,), dtype="float32", name="tokens_per_expert")
+    per_expert = add("scale", probs, name="router_prob_per_expert")          # / total_rows
+    row = add("reshape", per_expert, shape=(1, E), name="router_prob_per_expert_row")
+    product = add("mul", fractions, row, name="product")
+    aux = add("scale", add("sum_all", product, name="overall_loss"), name="aux_loss")   # * num_experts
+    # the function's locals until it returns
+    for value in (counts, probs, values, index, per_expert):
+        g.hold(value, until=aux)
+    g.output(aux)
+    weighted = g.add("scale", aux, name="aux/weighted")       # router_aux_loss_coef * aux_loss
+    return g.add("add", loss, weighted, inplace=True, name="loss_with_aux")
+
+
 def build_mixtral(cfg: MixtralConfig) -> Graph:
-    """The operator graph of one MixtralForCausalLM training forward, loss included."""
+    """The operator graph of one MixtralForCausalLM training forward, loss included (with the
+    load-balancing loss where ``output_router_logits`` is true: :func:`load_balancing_loss`)."""
     g = build_decoder(cfg.decoder(), mlp=moe_block)
     g.bindings.update({E: cfg.num_local_experts, K: cfg.num_experts_per_tok})
     g.require(K, E, "each token is routed to K distinct experts")
+    if cfg.output_router_logits:
+        load_balancing_loss(g, "loss")
     return g
 
 
@@ -230,8 +302,6 @@ PRESETS = {"mixtral-8x7b": MixtralConfig(name="mixtral-8x7b")}
 HF_IDS = {"mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1"}
 
 UNMODELLED = LLAMA_UNMODELLED + (
-    Unmodelled("output_router_logits", (False,),
-               "true keeps every layer's router logits to the loss and adds the load-balancing loss"),
     Unmodelled("router_jitter_noise", (0.0, 0),
                "noise multiplied into the hidden states in place before the router"),
     Unmodelled("experts_implementation", ("grouped_mm", None),
@@ -241,7 +311,7 @@ UNMODELLED = LLAMA_UNMODELLED + (
 
 IGNORED = {
     **LLAMA_IGNORED,
-    "router_aux_loss_coef": "weighs the load-balancing loss, which only output_router_logits adds",
+    "router_aux_loss_coef": "a number weighing the load-balancing loss (output_router_logits), not a tensor",
 }
 
 FAMILY = register(Family(

@@ -1,13 +1,16 @@
 """Losses: nll_loss (the second half of cross-entropy; the first, log_softmax, is in
 :mod:`symmem.rules.normalization`). ``aten::nll_loss`` is on the fp32 list of both
-devices (see :mod:`symmem.rules.autocast`)."""
+devices (see :mod:`symmem.rules.autocast`). The reductions of the load-balancing loss
+(transformers' ``load_balancing_loss_func``, ``models/mixtral/modeling_mixtral.py``):
+``sum.dim_IntList`` and ``sum`` are on CUDA autocast's fp32_set_opt_dtype list and on none of
+the CPU's."""
 from __future__ import annotations
 
 import sympy as sp
 
 from .core import I64, Footprint, Saved, TensorInfo, _grads, rule
 
-__all__ = ["nll_loss_rule", "pad_labels_rule", "shift_labels_rule"]
+__all__ = ["nll_loss_rule", "pad_labels_rule", "shift_labels_rule", "sum_rows_rule", "sum_all_rule"]
 
 
 @rule("pad_labels")
@@ -62,3 +65,25 @@ def nll_loss_rule(node, ins, ctx):
     saved = (first, target, Saved("total weight", "new", sp.Integer(1), out_dt, after=True))
     return Footprint(TensorInfo((), out_dt), saved=saved, fwd_temp=padded,
                      grads=_grads(ins), bwd_temp=bwd_temp, cast_back=(("in", 0, bwd_temp),) if bwd_temp != 0 else ())
+
+
+@rule("sum_rows")
+def sum_rows_rule(node, ins, ctx):
+    """``x.sum(dim=0)`` of x (N, E) (``routing_weights.float().sum(dim=0)``, the router's
+    probabilities summed over the tokens, ``modeling_mixtral.py`` line 530): a new (E,) tensor,
+    in float32 under CUDA autocast, else in x's dtype. SumBackward1 keeps sizes only; x's
+    gradient is the output's expanded (a view)."""
+    x = ins[0]
+    dt = ctx.autocast_dtype("sum.dim_IntList") or x.dtype
+    return Footprint(TensorInfo(tuple(x.shape[1:]), dt, True, x.requires_grad), grads=_grads(ins, "pass"))
+
+
+@rule("sum_all")
+def sum_all_rule(node, ins, ctx):
+    """``torch.sum(x)`` (the load-balancing loss's ``torch.sum(tokens_per_expert *
+    router_prob_per_expert.unsqueeze(0))``, line 543): a new 0-dim tensor, in float32 under
+    CUDA autocast, else in x's dtype. SumBackward0 keeps sizes only; x's gradient is the
+    output's expanded (a view)."""
+    x = ins[0]
+    dt = ctx.autocast_dtype("sum") or x.dtype
+    return Footprint(TensorInfo((), dt, True, x.requires_grad), grads=_grads(ins, "pass"))

@@ -55,8 +55,13 @@ def topk_indices_rule(node, ins, ctx):
 def topk_rule(node, ins, ctx):
     """The values of ``torch.topk(p, K, dim=-1)`` (inputs: p and the ``topk_indices`` node):
     TopkBackward0 saves the indices (no new memory); backward scatters the gradient into a
-    new zero tensor of p's shape."""
+    new zero tensor of p's shape. ``discarded=True``: values bound to ``_`` and never used
+    (``_, selected_experts = torch.topk(...)`` in transformers' ``load_balancing_loss_func``):
+    no gradient reaches them, and the TopkBackward0 node, referenced by them alone, goes with
+    them, so nothing is held for backward (the indices live as long as their own name)."""
     p, idx = ins
+    if node.attr("discarded"):
+        return Footprint(TensorInfo(idx.shape, p.dtype, True, False), grads=(None, None))
     return Footprint(TensorInfo(idx.shape, p.dtype, True, p.requires_grad),
                      saved=(Saved("topk indices", "in1"),), grads=(_grads([p])[0], None))
 
@@ -88,7 +93,9 @@ def div_inplace_rule(node, ins, ctx):
 def index_tensor_rule(node, ins, ctx):
     """A tensor of the dispatch's bookkeeping, without gradient: ``torch.sort``'s values or
     permutation, ``perm // K``, ``histc``'s input and counts, ``cumsum``'s offsets, the inverse
-    permutation, an expert-parallel sentinel mask. Attributes ``shape`` and ``dtype`` (int64,
+    permutation, an expert-parallel sentinel mask; the load-balancing loss's ``torch.zeros``
+    (no input), counts and their fraction ``tokens_per_expert_sum / total_rows`` (a Python
+    number, wrapped in a 0-dim tensor that no dispatcher sees and nothing keeps). Attributes ``shape`` and ``dtype`` (int64,
     int32, float32, bool, or ``like``: the first input's); ``temp``: bytes the op holds while it
     runs (the ``torch.arange`` written into the inverse permutation)."""
     shape = tuple(sp.sympify(d) for d in node.attr("shape"))
