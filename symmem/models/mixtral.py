@@ -20,8 +20,16 @@ or all on K experts (measured both ways). transformers' other implementations ar
 (``experts_implementation``): ``eager`` loops over the experts, and what it holds depends on
 the counts per expert.
 
-Refused unless at the default (:data:`UNMODELLED`): ``output_router_logits`` (keeps every
-layer's router logits and adds the load-balancing loss), ``router_jitter_noise`` (multiplies
+``output_router_logits`` true (training with the load-balancing loss, weighted by
+``router_aux_loss_coef``; :func:`load_balancing_loss`): every layer's router logits kept by
+transformers' output recorder until forward ends, ``load_balancing_loss_func``'s loop over them
+(a saved softmax per layer, top-K, ``histc``, running sums) and its final product, and in
+backward each layer's logits gradient from that loss waiting for the layer's router. Measured
+exact (``tests/test_mixtral_aux_measured.py``: float32, bfloat16 autocast, a bfloat16 model,
+eager and SDPA, K = 1 to 3, b = 1 to 3, 2 to 4 layers, SGD and AdamW, full recomputation);
+with recomputation of layer ranges or regrouped layers, or pipeline stages, it is refused.
+
+Refused unless at the default (:data:`UNMODELLED`): ``router_jitter_noise`` (multiplies
 the hidden states in place by noise), ``experts_implementation`` other than grouped_mm and the
 Llama family's refusals. The symbols: E (``num_local_experts``) and K (``num_experts_per_tok``)
 beside Mistral's. Under expert parallelism (``--ep``, :mod:`symmem.passes.expert`) the experts'
