@@ -46,8 +46,8 @@ from .llama import IGNORED as LLAMA_IGNORED, UNMODELLED as LLAMA_UNMODELLED, Dec
 from .registry import Family, Unmodelled, register
 from . import checks
 
-__all__ = ["MixtralConfig", "build_mixtral", "moe_block", "load_balancing_loss", "ep_experts", "EXPERTS", "PRESETS", "HF_IDS", "UNMODELLED",
-           "IGNORED", "FAMILY"]
+__all__ = ["MixtralConfig", "build_mixtral", "moe_block", "load_balancing_loss", "ep_experts", "EXPERTS", "PRESETS",
+           "HF_IDS", "UNMODELLED", "IGNORED", "FAMILY"]
 
 #: The nodes of :func:`moe_block` that run the experts (from the sorted pairs to the summed
 #: output): what expert parallelism replaces (:func:`ep_experts`), and the values it reads.
