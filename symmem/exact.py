@@ -36,8 +36,17 @@ class Compiled:
         ({symbol: int}, every symbol of :attr:`gens` given; others are ignored)."""
         if self.terms is None:
             return number(self.expr.xreplace({k: sp.Integer(x) for k, x in values.items()}))
-        (value,) = self.polynomial(None, {g: values[g] for g in self.gens})
-        return value
+        xs = [values[g] for g in self.gens]
+        total = 0
+        for _, c, others in self._in(None):
+            num, den = c, 1
+            for j, e in others:
+                if e > 0:
+                    num = num * xs[j] ** e
+                else:
+                    den *= xs[j] ** -e
+            total += num if den == 1 else Fraction(num, den)
+        return total
 
     def polynomial(self, x, values: dict) -> list | None:
         """The formula as a polynomial in ``x`` with every other symbol of :attr:`gens` at
