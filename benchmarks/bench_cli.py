@@ -3,7 +3,8 @@
 (the derived estimate there, the question new: another batch size each run, so the answer
 is computed from the stored formulas) and warm answer (the same question again: the stored
 answer printed, no sympy imported), beside ``python -c pass`` (the interpreter alone) and
-``python -c "import symmem; symmem.models"`` (the library with sympy and the families).
+``python -c "import symmem; symmem.models"`` (the library with sympy and the families). The processes write and read Python's bytecode
+(``__pycache__``), as an installed package does, whatever ``PYTHONDONTWRITEBYTECODE`` says.
 
 Run: python benchmarks/bench_cli.py [--runs 5]
 
@@ -39,7 +40,11 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args(argv)
     root = Path(__file__).resolve().parents[1]
-    base = {**os.environ, "PYTHONPATH": str(root)}
+    # as a user's install runs: with the bytecode of symmem's modules written and read back
+    # (PYTHONDONTWRITEBYTECODE, set on some machines, would compile every module in every process)
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    base["PYTHONPATH"] = str(root)
+    timed([sys.executable, "-c", "import symmem.cli, symmem.models"], base)    # write the bytecode once
     times: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
