@@ -89,8 +89,9 @@ def stage_graph(graph, par, r: int):
     blocks = graph.repeats()
     if len(blocks) != 1:
         raise ConfigError("pp", p, f"1 for {graph.name}: stages are cut from one repeated block of layers "
-                          f"and it has {len(blocks)}", "Leave --pp out (encoder-decoder and convolutional "
-                          "networks are not split into pipeline stages yet).")
+                          f"and it has {len(blocks)}", "Leave --pp out (a model of more or fewer blocks: an "
+                          "encoder-decoder, a ResNet's stages, Mixtral's loop over its layers' router logits, is "
+                          "not split into pipeline stages yet).")
     rep = blocks[0]
     i = graph.items.index(rep)
     if rep.layer_attrs:
