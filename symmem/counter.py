@@ -9,16 +9,17 @@ Python's reference counting does. A storage held by autograd (or by a checkpoint
 activation; one nobody holds is transient. Storages of explicit :class:`~symmem.plan.Alloc`
 events are freed by their :class:`~symmem.plan.Free` only.
 
-**Counting.** Live bytes are summed per role; each mark records a
-:class:`Point`. A repeated block appears as its copies (first iteration, a middle one,
-last iteration; backward runs them in reverse). Copies whose events are the same byte for
-byte are one *segment*: a segment of ``m`` iterations is run once, and since each of its
-iterations leaves the same bytes ``D`` behind, the live bytes at a moment of its ``i``-th
-iteration are affine in ``i``: their maximum is at its first or its last iteration, the
-points of the run plus ``(m - 1) D``. The result is exact for every count at which each
-segment has at least one iteration; where a segment can have none (a block whose first
-iteration differs, at ``count = 1``), its points must be provably below another point
-there, or ``count`` gets a lower bound (a requirement, checked where formulas are evaluated).
+**Counting.** Live bytes are summed per role (as dictionaries of terms, :class:`_Sum`, whose
+expression is built when a mark records a :class:`Point`). A repeated block appears as its
+copies (first iteration, a middle one, last iteration; backward runs them in reverse).
+Copies whose events are the same byte for byte are one *segment*: a segment of ``m``
+iterations is run once, and since each of its iterations leaves the same bytes ``D`` behind,
+the live bytes at a moment of its ``i``-th iteration are affine in ``i``: their maximum is
+at its first or its last iteration, the points of the run plus ``(m - 1) D``. The result is
+exact for every count at which each segment has at least one iteration; where a segment can
+have none (a block whose first iteration differs, at ``count = 1``), its points must be
+provably below another point there, or ``count`` gets a lower bound (a requirement, checked
+where formulas are evaluated).
 """
 from __future__ import annotations
 
