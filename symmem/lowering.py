@@ -299,7 +299,11 @@ class _Lowering:
             return tied
 
         tied = allocate("now")
-        out.append(Mark("backward", inst.name, (("transient", fp.bwd_temp + extra + tied),), inst.copy))
+        # under autocast a bias's half-precision gradient is among the kernels' temporaries
+        # (bwd_temp) but the engine makes it after them, summing the output's gradient
+        # (validate_outputs); a checkpoint's recomputed tensors are gone by then
+        summed = sum((half for kind, j, half in fp.cast_back if kind == "param" and j in fp.reduced_params), ZERO)
+        out.append(Mark("backward", inst.name, (("transient", fp.bwd_temp - summed + extra + tied),), inst.copy))
         if fp.reduced_params:
             tied += allocate("reduced")
             out.append(Mark("backward", f"{inst.name} (bias gradient)",

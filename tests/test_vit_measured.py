@@ -1,7 +1,8 @@
 """The vision transformer against Hugging Face's own ``ViTForImageClassification`` on the CPU:
 random weights from small configs (no download), eager and SDPA attention, float32 and bfloat16
-autocast; parameters, bytes saved for backward, the training step's peak, its phase and every
-phase's maximum, to the byte; and the published parameter counts.
+autocast and a bfloat16 model, with and without transformers' activation checkpointing
+(``recompute="full"``); parameters, bytes saved for backward, the training step's peak, its
+phase and every phase's maximum, to the byte; and the published parameter counts.
 """
 import pytest
 
@@ -107,3 +108,49 @@ def test_config_keys():
     subs = {**est._subs({}), sm.symbols.b: 1}
     step = [max(p.total.xreplace(subs) for p in e.timeline if p.phase == "optimizer") for e in (est, one)]
     assert step[1] - step[0] == 2048
+
+
+RECOMPUTED = [
+    # b, attention, precision
+    (2, "eager", "fp32"),
+    (2, "sdpa", "bf16-mixed"),
+    (2, "eager", "bf16"),
+    (2, "sdpa", "fp32"),
+    (1, "sdpa", "bf16"),
+    (1, "eager", "bf16-mixed"),
+]
+
+
+@pytest.mark.parametrize("b,attention,precision", RECOMPUTED, ids=[f"b{c[0]}-{c[1]}-{c[2]}" for c in RECOMPUTED])
+def test_vit_recomputed_exact(b, attention, precision):
+    """Hugging Face's activation checkpointing (non-reentrant) against ``recompute="full"``:
+    each ViTLayer's checkpoint keeps its input and recomputes the layer in the backward, up to
+    fc2. Under autocast fc2's recomputed input and weight copy are freed with its kernels, before
+    the engine sums its bias's bfloat16 gradient (at b = 2, h = 32: 64 bytes that the peak
+    would otherwise count beside the 4,352 + 4,096 of the two)."""
+    import warnings
+    from helpers import enable_checkpointing
+    h, a, L, f, image, patch, classes = 32, 4, 2, 64, 16, 4, 10
+    cfg, model = hf_vit(h, a, L, f, image, patch, classes, attention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_checkpointing(model)
+    keys = {**cfg.to_dict(), "attn_implementation": cfg._attn_implementation}
+    est = sm.estimate(sm.models.from_hf_config(keys), sm.Policy(precision, "adamw", "cpu", "for-loop",
+                                                                recompute="full"))
+    if b == 1:
+        est = est.at_one
+    ev = est.at(b=b)
+    x = torch.randn(b, 3, image, image)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+        x = x.to(torch.bfloat16)
+    assert ev.bytes["params"] == param_bytes(model)
+    y = torch.randint(0, classes, (b,))
+
+    def fwd(m=model):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            return m(pixel_values=x, labels=y).loss
+    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
+    report = training_step(model, fwd, optimizer("adamw", "for-loop", model.parameters()), extra=(x, y))
+    assert_step_exact(est, report, b=b)

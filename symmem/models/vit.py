@@ -15,6 +15,13 @@ the embeddings' whole (1, 1 + HW/P^2, h) gradient, which AccumulateGrad keeps th
 optimizer step (:func:`~symmem.rules.vision.cls_concat_rule`); the ``grads`` component still
 counts the token's own h elements.
 
+``recompute="full"`` is measured against transformers' activation checkpointing of every
+``ViTLayer`` (``activation_checkpointing_enable()``, non-reentrant; ``tests/test_vit_measured.py``:
+eager and SDPA, float32, bfloat16 autocast and a bfloat16 model, b = 1 and 2): each layer's
+checkpoint keeps its input; its recomputation stops at ``fc2``, whose input and weight copy it
+saves; the recomputed tensors are freed with ``fc2``'s kernels, before the engine sums the
+bias's gradient.
+
 Symbols: ``b``, ``h``, ``a``, ``L``, ``f``, the image's ``H``, ``W``, ``C``, the patch size ``P``
 and the classes ``n_c``; the sequence is 1 + HW/P^2 tokens. All are bound to the config
 (``image_size`` for H and W: the position embeddings have that many rows).

@@ -26,7 +26,9 @@ def linear_rule(node, ins, ctx):
     The bias's gradient is the output's gradient summed over the rows, which the autograd
     engine does when the node's kernels have run (``validate_outputs``), before it releases
     what the node saved (``reduced_params``); under autocast every parameter's gradient
-    comes after the node, cast back (``cast_back``).
+    comes after the node, cast back (``cast_back``), the bias's half-precision one summed
+    after the kernels as well (a checkpoint's recomputed input and weight copies are freed
+    by then: ``tests/test_vit_measured.py``).
 
     A frozen weight (``Param.trainable`` False, as LoRA's base layers): autograd saves only
     what the other gradients need (the input only for the weight's gradient, the weight only
@@ -84,7 +86,7 @@ def linear_rule(node, ins, ctx):
         back = tuple(sorted(items, key=lambda it: rank[it[:2]]))
     return Footprint(out, saved=tuple(saved), fwd_temp=fwd_temp, grads=_grads(ins), bwd_temp=bwd_temp,
                      casts=casts, cast_back=back,
-                     reduced_params=() if cast is not None else tuple(i for i in trainable if i > 0))
+                     reduced_params=tuple(i for i in trainable if i > 0))
 
 
 @rule("matmul")
