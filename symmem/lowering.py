@@ -299,6 +299,8 @@ class _Lowering:
             return tied
 
         tied = allocate("now")
+        if fp.leaf:                       # AccumulateGrad makes the output's gradient the leaf's .grad
+            self._kept[g] = Key("grad", inst.name, inst.copy)
         # under autocast a bias's half-precision gradient is among the kernels' temporaries
         # (bwd_temp) but the engine makes it after them, summing the output's gradient
         # (validate_outputs); a checkpoint's recomputed tensors are gone by then

@@ -2,8 +2,10 @@
 small configs (no download), v1.0 (ReLU) and v1.1 (gated GELU, unscaled head), an inner
 attention width other than d_model, fewer decoder layers, labels of another length than the
 inputs; float32, bfloat16 autocast and a bfloat16 model; eager attention and SDPA (whose CPU
-kernel with dropout is the math fallback, the position bias its float mask). Parameters, bytes
-saved for backward, the training step's peak, its phase and every phase's maximum, to the byte.
+kernel with dropout is the math fallback, the position bias its float mask); transformers'
+activation checkpointing against ``recompute="full"`` (float32, and a bfloat16 model with eager
+attention; the rest refused). Parameters, bytes saved for backward, the training step's peak,
+its phase and every phase's maximum, to the byte.
 """
 import pytest
 import sympy as sp
@@ -92,6 +94,61 @@ def test_t5_exact(point, attention, ff, tie, p, precision, opt, impl):
     ids = torch.randint(0, V, (b, s))
     labels = torch.randint(0, V, (b, s_d))
     assert_t5_step_exact(est, model, ids, labels, precision, opt, impl)
+
+
+RECOMPUTED = [
+    # point, attention, feed_forward_proj, precision
+    (POINTS[0], "eager", "relu", "fp32"),
+    (POINTS[0], "sdpa", "relu", "fp32"),
+    (POINTS[0], "eager", "relu", "bf16"),
+    (POINTS[2], "eager", "gated-gelu", "fp32"),
+    (POINTS[3], "eager", "gated-gelu", "bf16"),
+]
+
+
+@pytest.mark.parametrize("point,attention,ff,precision", RECOMPUTED,
+                         ids=[f"b{pt[0]}-h{pt[3]}-L{pt[7]}.{pt[8]}-{at}-{ff}-{pr}" for pt, at, ff, pr in RECOMPUTED])
+def test_t5_recomputed_exact(point, attention, ff, precision):
+    """transformers' activation checkpointing of every T5Block (non-reentrant) against
+    ``recompute="full"``: the first block of each stack, which computes the position bias, is
+    checkpointed too (the bias is its output; the later blocks receive it as an argument their
+    checkpoint keeps); T5Attention then makes the cross-attention's zero bias a leaf that
+    requires grad (a (1, a, s_d, s) gradient kept as its ``.grad``, with it, through the step:
+    4,096 bytes in float32 at the first point); the gated feed-forward's two halves are Python
+    locals until ``wo`` (checkpointed, nothing else keeps them: 13,048 bytes of the forward's
+    maximum at the third point)."""
+    import warnings
+    from helpers import enable_checkpointing
+    b, s, s_d, h, f, a, d_kv, L, L_d, V = point
+    cfg, model = hf_t5(point, attention, feed_forward_proj=ff, dropout_rate=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_checkpointing(model)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, "adamw", "cpu", "for-loop", recompute="full"))
+    if b == 1:
+        est = est.at_one
+    assert est.at(b=b, s=s, s_d=s_d).bytes["params"] == param_bytes(model)
+    ids = torch.randint(0, V, (b, s))
+    labels = torch.randint(0, V, (b, s_d))
+    assert_t5_step_exact(est, model, ids, labels, precision, "adamw")
+
+
+@pytest.mark.parametrize("precision,attention,words", [
+    ("bf16-mixed", "eager", "not modelled exactly under autocast"),
+    ("bf16", "sdpa", "expected eager attention for a T5 model in bf16 with checkpointed layers"),
+])
+def test_recompute_refused_where_not_exact(precision, attention, words):
+    """Checkpointed T5 layers under autocast and in a bfloat16 model with SDPA are refused:
+    the field, the value, what is expected and how to fix it."""
+    g = sm.models.from_hf_config(BASE)
+    with pytest.raises(ConfigError) as e:
+        sm.estimate(g, sm.Policy(precision, "adamw", "cpu", attention=attention, recompute="full"))
+    text = str(e.value)
+    assert text.startswith("recompute = 'full' is not valid") and words in text
+    assert "leave recompute out" in text.lower()
+    sm.estimate(g, sm.Policy(precision, "adamw", "cpu", attention=attention))     # without recompute: modelled
 
 
 # ----------------------------------------------------------------------------- formulas

@@ -31,6 +31,31 @@ encoder, ``torch.where`` with the causal pattern in the decoder), for which PyTo
 math kernel on the CPU in training (dropout); SDPA without dropout on the CPU (its flash kernel
 with a mask needing a gradient) and the fused CUDA kernels (mem-efficient with a bias gradient)
 are refused, as are float16 models (``T5Block`` clamps float16 hidden states).
+
+``recompute="full"`` is measured against transformers' activation checkpointing of every
+``T5Block`` (``activation_checkpointing_enable()``, non-reentrant; ``tests/test_t5_measured.py``:
+float32 with eager attention and SDPA, a bfloat16 model with eager attention, ReLU and gated GELU,
+b = 1 to 3). ``T5Block`` is a ``GradientCheckpointingLayer`` called with positional arguments
+(hidden states, mask, position bias, encoder states, encoder mask, cross bias) and ``cache`` bound
+by ``functools.partial``; so
+
+* each stack's first block, which computes the position bias, is a checkpointed region like the
+  others (written out here, it has a ``layer`` attribute); the bias is its output, and every
+  later block's checkpoint keeps it as an argument until that block's backward;
+* ``T5Attention`` (its ``gradient_checkpointing`` flag set too) makes the cross-attention's zero
+  bias with ``requires_grad = True``: a leaf whose (1, a, s_d, s) gradient, summed over the decoder
+  blocks, AccumulateGrad keeps as its ``.grad``, the graph keeping both through the optimizer step
+  (the ``zeros_bias`` node's ``grad_when_checkpointed``, set by :mod:`symmem.passes.recompute`);
+* ``T5DenseGatedActDense``'s ``hidden_gelu`` and ``hidden_linear`` are Python locals until
+  ``wo`` returns (the product saves them anyway, unless checkpointed).
+
+Under autocast and in a bfloat16 model with SDPA the measured step differs, and those
+combinations are refused (:func:`refuse_checkpointing`): under bfloat16 autocast the first
+encoder block's recomputation holds 16,384 bytes more than symmem counts (eager; 8,192 with
+SDPA; at b = 2, s = 16, d_model = 32, d_ff = 64), in part the block's Python locals that the
+recomputation keeps again (T5LayerNorm's float32 output while q, k and v run: 4,096), which
+the recompute pass does not model; with SDPA in a bfloat16 model the forward holds 256 to 2,048
+bytes more in an encoder block's attention, not located.
 """
 from __future__ import annotations
 
@@ -163,7 +188,9 @@ def build_t5(cfg: T5Config) -> Graph:
                 for v_ in (pair, rel):     # compute_bias's locals until it returns
                     g.hold(v_, until=values)
             elif bias == "zeros":
-                bias = g.add("zeros_bias", q, k, name=f"{pre}{sub}/position_bias")
+                # T5Attention sets requires_grad on it where transformers checkpoints the layers
+                bias = g.add("zeros_bias", q, k, grad_when_checkpointed=True, checkpoint_check=refuse_checkpointing,
+                             name=f"{pre}{sub}/position_bias")
             mode = "causal" if decoder and mod == "SelfAttention" else "contiguous"
             z = g.add("attention", q, k, v, bias, *masks, dropout=p, causal=False, probs_like="keep",
                       kernels=("eager", "math"), bias_mask=mode, returns_after=f"{pre}{sub}/merge",
@@ -197,9 +224,12 @@ def build_t5(cfg: T5Config) -> Graph:
         # feed-forward (T5LayerFF)
         ff = "layer.2" if decoder else "layer.1"
         y = norm(f"{ff}.layer_norm", x)
+        locals_ = ()
         if gated:                          # act(wi_0(y)) * wi_1(y)
             z = g.add(act, linear(f"{ff}.DenseReluDense.wi_0", y, h, f), name=f"{pre}ff/act")
-            z = g.add("mul", z, linear(f"{ff}.DenseReluDense.wi_1", y, h, f), name=f"{pre}ff/gated")
+            lin = linear(f"{ff}.DenseReluDense.wi_1", y, h, f)
+            locals_ = (z, lin)             # hidden_gelu, hidden_linear: locals until forward returns
+            z = g.add("mul", z, lin, name=f"{pre}ff/gated")
         else:
             z = g.add(act, linear(f"{ff}.DenseReluDense.wi", y, h, f), name=f"{pre}ff/act")
         z = g.add("dropout", z, p=p, name=f"{pre}ff/inner_dropout")
@@ -207,6 +237,8 @@ def build_t5(cfg: T5Config) -> Graph:
         z = g.add("to_param_dtype", z, name=f"{pre}ff/to_wo_dtype")
         z = linear(f"{ff}.DenseReluDense.wo", z, f, h)
         g.hold(y, until=z)
+        for v_ in locals_:                 # (saved by the product anyway, unless checkpointed)
+            g.hold(v_, until=z)
         z = g.add("dropout", z, p=p, name=f"{pre}ff/dropout")
         x = g.add("add", x, z, name=f"{pre}ff/residual")
         out = g.add("fp16_clamp", x, name=f"{pre}ff/clamp")
@@ -218,7 +250,9 @@ def build_t5(cfg: T5Config) -> Graph:
         emb = g.add("embedding", ids_, params=(shared,), name=f"{name}/embed_tokens")
         mask = g.add("causal_mask", ids_, name=f"{name}/causal_mask") if decoder else None
         x = g.add("dropout", emb, p=p, name=f"{name}/dropout")
-        x, bias, cross = layer(g, x, f"{name}/block.0/", f"{name}.block.0.", decoder, True, None, mask, enc, None)
+        with g.scope(layer=f"{name}/block.0"):     # one layer to recompute, as the repeated ones
+            x, bias, cross = layer(g, x, f"{name}/block.0/", f"{name}.block.0.", decoder, True, None, mask, enc,
+                                   None)
 
         def body(gb: Graph, x_: str) -> str:
             return layer(gb, x_, f"{name}/block/", f"{name}.block.", decoder, False, bias, mask, enc, cross)[0]
@@ -251,6 +285,22 @@ def build_t5(cfg: T5Config) -> Graph:
     return g
 
 
+def refuse_checkpointing(graph: Graph, policy) -> None:
+    """Checkpointed layers (``recompute`` full, every:K, ...) are measured exact in float32 and
+    in a bfloat16 model with eager attention; under autocast, and in a bfloat16 model with SDPA
+    (its math kernel), the measured step differs (the module docstring says by how much):
+    refused."""
+    sdpa = any(n.op == "bias_mask" for g in graph.graphs() for n in g.items if hasattr(n, "op"))
+    if policy.prec.autocast:
+        raise ConfigError("recompute", str(policy.recompute), f"none (or a precision other than {policy.precision}) "
+                          "for T5: checkpointed T5 layers are not modelled exactly under autocast",
+                          "Leave recompute out, or train in fp32 (or bf16 with --attention eager).")
+    if sdpa and policy.prec.name != "fp32":
+        raise ConfigError("recompute", str(policy.recompute), "eager attention for a T5 model in "
+                          f"{policy.precision} with checkpointed layers (SDPA's math kernel is not modelled "
+                          "exactly there)", "Use --attention eager, train in fp32, or leave recompute out.")
+
+
 def _t5(name, d_model, d_ff, layers, heads, d_kv, **extra):
     return T5Config(d_model=d_model, d_ff=d_ff, num_layers=layers, num_heads=heads, d_kv=d_kv, name=name, **extra)
 
@@ -279,8 +329,8 @@ REQUIRED = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads")
 
 UNMODELLED = (
     Unmodelled("gradient_checkpointing", (False,),
-               "transformers then recomputes every block in backward, and T5's first block computes "
-               "the position bias; not modelled for T5"),
+               "transformers then recomputes every block in backward: use --recompute full (float32, or "
+               "bfloat16 with eager attention)"),
 )
 
 _DERIVED = "derived by transformers from feed_forward_proj, which symmem reads"

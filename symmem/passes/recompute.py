@@ -50,6 +50,8 @@ def prepare(graph: Graph, policy) -> Graph:
     ``last:N`` and ``layers``, :mod:`symmem.passes.regions` has split each repeated block where
     the recomputed layers start and end and annotated their part ``checkpoint=True``.)"""
     spec = policy.recompute
+    if spec.mode not in ("none", "nodes", "selective"):
+        graph = _grad_when_checkpointed(graph, policy)
     if spec.mode not in ("none", "nodes") and not graph.checkpointing:
         raise ConfigError("recompute", str(spec), f"none for {graph.name!r}: its implementation has no gradient "
                           "checkpointing (transformers' ResNet does not support it; torchvision's checkpoints nothing)",
@@ -67,6 +69,26 @@ def prepare(graph: Graph, policy) -> Graph:
                               f"{rep.name!r}", f"For example {', '.join(divisors)}.")
         graph = graph.grouped(rep.name, spec.k)
     return graph
+
+
+def _grad_when_checkpointed(graph: Graph, policy) -> Graph:
+    """Nodes with ``grad_when_checkpointed=True`` get ``requires_grad=True``: a tensor the
+    model's code makes a leaf that requires grad when its layers are checkpointed (T5's
+    cross-attention zero bias: ``position_bias.requires_grad = True`` under
+    ``gradient_checkpointing``). Such a node's ``checkpoint_check`` (a function of the graph,
+    after the attention pass, and the policy) refuses what is not modelled."""
+    marked = [n for n in _nodes(graph).values() if n.attr("grad_when_checkpointed")]
+    if not marked:
+        return graph
+    for check in dict.fromkeys(n.attr("checkpoint_check") for n in marked if n.attr("checkpoint_check")):
+        check(graph, policy)
+
+    def rewrite(node, sub) -> bool:
+        if not node.attr("grad_when_checkpointed"):
+            return False
+        sub.items.append(replace(node, attrs=tuple(sorted({**dict(node.attrs), "requires_grad": True}.items()))))
+        return True
+    return graph.rewritten(rewrite)
 
 
 def regions(plan: Plan, graph: Graph, spec) -> list[list[int]]:

@@ -187,6 +187,9 @@ class Footprint:
     # a view AccumulateGrad keeps (ViT's class token at b = 1, where ExpandBackward0's sum over
     # a batch of one returns its input), so that storage lives on as the parameter's gradient.
     grad_view_param: int | None = None
+    # A tensor made with requires_grad=True (no input or parameter gives it one): AccumulateGrad
+    # makes the gradient that reaches it its ``.grad``, a storage kept like a parameter's.
+    leaf: bool = False
 
     @property
     def late_inputs(self) -> tuple:

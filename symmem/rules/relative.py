@@ -105,11 +105,16 @@ def bias_mask_rule(node, ins, ctx):
 @rule("zeros_bias")
 def zeros_bias_rule(node, ins, ctx):
     """The position bias of an attention without relative buckets (T5's cross-attention):
-    ``torch.zeros((1, a, s_q, s_k), dtype=query.dtype)``, no gradient (inputs: the query
-    and key heads)."""
+    ``torch.zeros((1, a, s_q, s_k), dtype=query.dtype)`` (inputs: the query and key heads).
+    No gradient, but with attribute ``requires_grad`` (T5Attention under gradient
+    checkpointing sets ``position_bias.requires_grad = True``): a leaf whose gradient,
+    summed over the layers reading it, AccumulateGrad makes its ``.grad``; the graph keeps the
+    tensor (and so its gradient) as long as the training loop keeps the loss."""
     q, k = ins[:2]
-    return Footprint(TensorInfo((sp.Integer(1), q.shape[1], q.shape[2], k.shape[2]), q.dtype, requires_grad=False),
-                     grads=(None, None))
+    leaf = bool(node.attr("requires_grad", False))
+    out = TensorInfo((sp.Integer(1), q.shape[1], q.shape[2], k.shape[2]), q.dtype, requires_grad=leaf)
+    saved = (Saved("the leaf (AccumulateGrad's variable)", "out", hooked=False, graph=True),) if leaf else ()
+    return Footprint(out, saved=saved, grads=(None, None), leaf=leaf)
 
 
 @rule("shift_right")
