@@ -78,13 +78,21 @@ def _graph_terms(graph, params: dict) -> tuple:
     for item in graph.items:
         if isinstance(item, Node):
             items.append(("node", item.name, item.op, item.inputs, tuple(param(p) for p in item.params),
-                          repr(item.attrs), str(item.shape)))
+                          repr(tuple((k, _stable(v)) for k, v in item.attrs)), str(item.shape)))
         else:
             items.append(("repeat", item.name, str(item.count), _graph_terms(item.body, params), item.carried,
                           item.output, str(item.shape), item.names, repr(item.layer_attrs)))
     bindings = sorted((str(k), str(v)) for k, v in graph.bindings.items())
     return (graph.name, tuple(items), tuple(bindings), graph.externals, graph.outputs,
             tuple(sorted(map(str, graph.requirements))), repr(graph.locals), graph.attention)
+
+
+def _stable(value):
+    """An attribute's value as the same text in every process: a function (a model's check
+    that a pass calls) by its module and name, not by its address."""
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{value.__module__}.{value.__qualname__}"
+    return value
 
 
 def fingerprint(graph, policy) -> str:
