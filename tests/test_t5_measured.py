@@ -151,6 +151,16 @@ def test_recompute_refused_where_not_exact(precision, attention, words):
     sm.estimate(g, sm.Policy(precision, "adamw", "cpu", attention=attention))     # without recompute: modelled
 
 
+@pytest.mark.parametrize("mode", ["last:1", "every:5", "nth:5"])
+def test_recompute_other_than_full_refused(mode):
+    """Only every layer checkpointed (full) is modelled: each stack's first block is written
+    out, so layer ranges and every:K would leave it out (last:1 used to end in a KeyError)."""
+    with pytest.raises(ConfigError) as e:
+        sm.estimate("t5-small", sm.Policy("fp32", "adamw", "cpu", attention="eager", recompute=mode))
+    text = str(e.value)
+    assert text.startswith(f"recompute = '{mode}' is not valid: expected full for T5") and "--recompute full" in text
+
+
 # ----------------------------------------------------------------------------- formulas
 
 def test_two_lengths_and_symbols():

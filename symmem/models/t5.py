@@ -286,11 +286,16 @@ def build_t5(cfg: T5Config) -> Graph:
 
 
 def refuse_checkpointing(graph: Graph, policy) -> None:
-    """Checkpointed layers (``recompute`` full, every:K, ...) are measured exact in float32 and
+    """Every layer checkpointed (``recompute="full"``; the other modes are refused: each stack's
+    first block is written out, outside the ranges they cut) is measured exact in float32 and
     in a bfloat16 model with eager attention; under autocast, and in a bfloat16 model with SDPA
     (its math kernel), the measured step differs (the module docstring says by how much):
     refused."""
     sdpa = any(n.op == "bias_mask" for g in graph.graphs() for n in g.items if hasattr(n, "op"))
+    if policy.recompute.mode != "full":      # each stack's first block is written out: not cut by layer ranges
+        raise ConfigError("recompute", str(policy.recompute), "full for T5 (every layer checkpointed, as "
+                          "transformers' gradient checkpointing does; layer ranges and every:K are not modelled)",
+                          "Use --recompute full, or leave recompute out.")
     if policy.prec.autocast:
         raise ConfigError("recompute", str(policy.recompute), f"none (or a precision other than {policy.precision}) "
                           "for T5: checkpointed T5 layers are not modelled exactly under autocast",
