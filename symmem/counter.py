@@ -49,6 +49,14 @@ class Point:
     iteration: str = ""   # "first", "second", "second to last", "last" inside a repeated block
     micro: str = ""       # the micro-batch, under gradient accumulation
     rank: str = ""        # the pipeline stage, under pipeline parallelism
+    # the total as :func:`~symmem.bounds.terms`, where the counter had them (None: read from the parts)
+    summed: dict | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def terms(self) -> dict | None:
+        """The total as :func:`~symmem.bounds.terms` (None where a part is not a sum of
+        products): the counter's own, else read off the parts."""
+        return self.summed if self.summed is not None else merged_terms([e for _, e in self.parts])
 
     @cached_property
     def total(self) -> sp.Expr:
@@ -284,6 +292,18 @@ class _Sum:
         return _Sum(d)
 
 
+def _summed(sums: dict) -> dict | None:
+    """The terms of the sum of the roles' :class:`_Sum` ``sums`` (None where one has a part
+    that is not a sum of products): a point's total, as :func:`~symmem.bounds.merged_terms`
+    reads it off the parts."""
+    out: dict = {}
+    for s in sums.values():
+        if s.rest is not ZERO:
+            return None
+        _merge(out, s.d, 1)
+    return out
+
+
 _TERMS_OF: dict = {}
 
 
@@ -348,7 +368,7 @@ class _Walk:
                 if e is not ZERO and e != 0:
                     acc[role] = acc[role].copy()
                     acc[role].add(e)
-            point = Point(phase, node, tuple((r, acc[r].expr()) for r in ROLES), label, micro)
+            point = Point(phase, node, tuple((r, acc[r].expr()) for r in ROLES), label, micro, summed=_summed(acc))
             (self.points if out is None else out).append(point)
         elif kind == "end of forward":
             self.saved_at_end_of_forward = self.saved.expr()
@@ -409,8 +429,9 @@ class _Walk:
                 if not grows:    # the first run can be the larger
                     cands.append((p, "first run"))
                 if not shrinks or grows:
-                    last = tuple((r, _Sum.of(e).affine(m - 1, delta[r]).expr()) for r, e in p.parts)
-                    cands.append((Point(p.phase, p.node, last, last_label, p.micro), "last run"))
+                    sums = {r: _Sum.of(e).affine(m - 1, delta[r]) for r, e in p.parts}
+                    last = tuple((r, sums[r].expr()) for r, _ in p.parts)
+                    cands.append((Point(p.phase, p.node, last, last_label, p.micro, summed=_summed(sums)), "last run"))
         self.points.extend(p for p, _ in cands)
         self.live = {r: start[r].affine(m, delta[r]) for r in ROLES}
         self.saved = start_saved.affine(m, d_saved)
@@ -449,7 +470,7 @@ class _Walk:
         slope, shift = sp.expand(n).coeff(x, 1), sp.expand(n).coeff(x, 0)
         mine = [p for p, _ in cands]
         if slope.is_Rational and slope > 0 and shift.is_Rational and sp.expand(n - slope * x - shift) == 0:
-            every = {id(p): merged_terms([e for _, e in p.parts]) for _, cs in walked for p, _ in cs}
+            every = {id(p): p.terms for _, cs in walked for p, _ in cs}
             if all(d is not None for d in every.values()):
                 found = _harmless_terms(x, slope, shift, c, walked, mine, every)
                 if found is not None:

@@ -51,7 +51,7 @@ def canonical(expr) -> sp.Expr:
 def _point_canonical(p: Point) -> sp.Expr:
     """``canonical(p.total)``, from the terms of the point's parts where they are products
     of symbols (no sum built first)."""
-    d = merged_terms([e for _, e in p.parts])
+    d = p.terms
     if d is None or any(not base.is_Symbol for key in d for base, _ in key):
         return canonical(p.total)
     return _collect(d)
@@ -152,7 +152,7 @@ def _canonical(expr) -> sp.Expr:
 
 def _prune(points: list[Point]) -> list[Point]:
     """Drop points that another point provably dominates (of equal ones, keep the first)."""
-    keep = prune_terms([merged_terms([e for _, e in p.parts]) for p in points])
+    keep = prune_terms([p.terms for p in points])
     if keep is None:
         keep = prune([p.total for p in points])
     return [points[i] for i in keep]
@@ -512,7 +512,7 @@ class Estimate:
     def _terms(self) -> list:
         """Each kept point's total as :func:`~symmem.bounds.terms` (None where it is not a sum
         of products)."""
-        return [merged_terms([e for _, e in p.parts]) for p in self.points]
+        return [p.terms for p in self.points]
 
     @property
     def timeline(self) -> list[Point]:
@@ -834,7 +834,7 @@ def _across_stages(ranks) -> list:
     def key(p):
         return p.phase, p.node, p.iteration, p.micro
     every = [p for rank in ranks for p in rank.points]
-    sums = {id(p): merged_terms([e for _, e in p.parts]) for p in every}
+    sums = {id(p): p.terms for p in every}
     if any(t is None for t in sums.values()):
         return every
     values = dict(zip(map(id, every), terms_samples([sums[id(p)] for p in every])))
@@ -885,7 +885,7 @@ class CompiledEstimate:
         """The candidates of the peak, in the order of :attr:`Estimate.points`."""
         out = []
         for i, p in enumerate(self.est.points):
-            d = merged_terms([e for _, e in p.parts])
+            d = p.terms
             out.append(exact.compile(self.est.totals[i], self.bindings) if d is None
                        else exact.compile_terms(d, self.bindings))
         return out
