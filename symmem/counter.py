@@ -355,12 +355,12 @@ class _Walk:
         kind = op[0]
         if kind == "alloc":
             _, nbytes, role, cnt, saved = op
-            self.live[role].add(_times(nbytes, cnt))
+            self.live[role].add(_allocation(nbytes, cnt))
             if saved is not ZERO:
                 self.saved.add(saved)
         elif kind == "free":
             _, nbytes, role, cnt = op
-            self.live[role].add(_times(nbytes, cnt), -1)
+            self.live[role].add(_allocation(nbytes, cnt), -1)
         elif kind == "mark":
             _, phase, node, extra, _, micro = op
             acc = {r: self.live[r] for r in ROLES}
@@ -564,18 +564,18 @@ def _grows_shrinks(parts: list) -> tuple[bool, bool]:
     return terms_nonneg(d), terms_nonneg({key: -c for key, c in d.items()})
 
 
-_PRODUCTS: dict = {}
+_ALLOCATIONS: dict = {}
 
 
-def _times(nbytes, cnt):
+def _allocation(nbytes, cnt):
     """``nbytes * cnt``, built once per pair (a step frees and allocates the same sizes)."""
     if cnt == 1:
         return nbytes
-    hit = _PRODUCTS.get((nbytes, cnt))
+    hit = _ALLOCATIONS.get((nbytes, cnt))
     if hit is None:
         hit = nbytes * cnt
-        if len(_PRODUCTS) < 1 << 16:
-            _PRODUCTS[nbytes, cnt] = hit
+        if len(_ALLOCATIONS) < 1 << 16:
+            _ALLOCATIONS[nbytes, cnt] = hit
     return hit
 
 

@@ -37,16 +37,7 @@ class Compiled:
         if self.terms is None:
             return number(self.expr.xreplace({k: sp.Integer(x) for k, x in values.items()}))
         xs = [values[g] for g in self.gens]
-        total = 0
-        for _, c, others in self._in(None):
-            num, den = c, 1
-            for j, e in others:
-                if e > 0:
-                    num = num * xs[j] ** e
-                else:
-                    den *= xs[j] ** -e
-            total += num if den == 1 else Fraction(num, den)
-        return total
+        return sum(_term(c, others, xs) for _, c, others in self._in(None))
 
     def polynomial(self, x, values: dict) -> list | None:
         """The formula as a polynomial in ``x`` with every other symbol of :attr:`gens` at
@@ -58,13 +49,7 @@ class Compiled:
         xs = [values.get(g) for g in self.gens]
         coeffs: dict = {}
         for deg, c, others in plan:
-            num, den = c, 1
-            for j, e in others:
-                if e > 0:
-                    num = num * xs[j] ** e
-                else:
-                    den *= xs[j] ** -e
-            coeffs[deg] = coeffs.get(deg, 0) + (num if den == 1 else Fraction(num, den))
+            coeffs[deg] = coeffs.get(deg, 0) + _term(c, others, xs)
         top = max(coeffs, default=0)
         return [coeffs.get(k, 0) for k in range(top + 1)]
 
@@ -87,6 +72,17 @@ class Compiled:
                 plan = None if plan is None else tuple(plan)
             memo[x] = plan
         return memo[x]
+
+
+def _term(c, others, xs):
+    """``c`` times ``xs[j] ** e`` for each (j, e) of ``others``: an int where it is whole."""
+    num, den = c, 1
+    for j, e in others:
+        if e > 0:
+            num = num * xs[j] ** e
+        else:
+            den *= xs[j] ** -e
+    return num if den == 1 else Fraction(num, den)
 
 
 def compile(expr, bindings: dict) -> Compiled:

@@ -135,15 +135,21 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family,point,attention,precision,n_g", CASES,
-                         ids=[f"{fam}-b{p[0]}-s{p[1]}-k{p[5]}-{at}-{pr}-n{n}" for fam, p, at, pr, n in CASES])
-def test_generation_exact(family, point, attention, precision, n_g):
-    b, s, h, f, a, k, L, V = point
+def model_and_estimate(family, point, attention, precision, **policy):
+    """The Hugging Face model (in bfloat16 for ``precision`` bf16) and symmem's inference
+    estimate of its config under ``precision`` and ``policy``, on the CPU."""
     cfg, model = hf_model(family, point, attention)
     if precision == "bf16":
         model.to(torch.bfloat16)
     graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
-    est = sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference"))
+    return model, sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", **policy))
+
+
+@pytest.mark.parametrize("family,point,attention,precision,n_g", CASES,
+                         ids=[f"{fam}-b{p[0]}-s{p[1]}-k{p[5]}-{at}-{pr}-n{n}" for fam, p, at, pr, n in CASES])
+def test_generation_exact(family, point, attention, precision, n_g):
+    b, s, h, f, a, k, L, V = point
+    model, est = model_and_estimate(family, point, attention, precision)
     ev = est.at(b=b, s=s, n_g=n_g)
     assert ev.bytes["params"] == param_bytes(model)
     assert (ev.bytes["grads"], ev.bytes["optimizer"], ev.bytes["master"], ev.bytes["activations"]) == (0, 0, 0, 0)
@@ -173,12 +179,8 @@ def test_static_cache_exact(family, point, attention, precision, n_g, max_len, l
     prefill's first update of each layer, written in place by the decoding step; attention
     over all T = max_cache_len positions (s + n_g by default)."""
     b, s, h, f, a, k, L, V = point
-    cfg, model = hf_model(family, point, attention)
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-    graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
-    est = sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", cache="static",
-                                       max_cache_len=max_len, logits=logits))
+    model, est = model_and_estimate(family, point, attention, precision, cache="static", max_cache_len=max_len,
+                                    logits=logits)
     T = max_len or s + n_g
     # keys and values of T positions in each layer, and each layer's 8-byte counter; under
     # autocast Llama's keys are float32 (rotated by float32 cos and sin), the values bfloat16;

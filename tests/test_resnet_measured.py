@@ -272,12 +272,17 @@ def test_hf_config_keys():
 
 def test_a_stage_is_one_repeated_block_and_recompute_is_refused():
     """A stage's blocks after its first are one repeated block (resnet-152's third stage: 35
-    alike), which leaves the formulas as they were unrolled: at b = 8, 224 x 224, fp32 SGD,
-    2,191,110,816 bytes, as the unrolled graph gave. Neither implementation checkpoints its
-    blocks: recomputation is refused, not silently ignored."""
-    g = sm.models.preset("resnet-152")
-    assert [(r.name, int(r.count)) for r in g.repeats()] == [("layer1", 2), ("layer2", 7), ("layer3", 35),
-                                                             ("layer4", 2)]
-    assert sm.estimate(g, sm.Policy()).at(b=8).peak == 2_191_110_816
+    alike), whose formulas equal those of the graph written out block by block
+    (``Graph.unrolled``: every iteration counted, nothing extrapolated) at every batch asked,
+    each component, the peak and where it is. Neither implementation checkpoints its blocks:
+    recomputation is refused, not silently ignored."""
+    assert [(r.name, int(r.count)) for r in sm.models.preset("resnet-152").repeats()] == \
+        [("layer1", 2), ("layer2", 7), ("layer3", 35), ("layer4", 2)]
+    g = sm.models.preset("resnet-50")
+    for policy in (sm.Policy(), sm.Policy("bf16-mixed", "adamw")):
+        repeated, written_out = sm.estimate(g, policy), sm.estimate(g.unrolled(), policy)
+        for bb in (1, 2, 8):
+            one, other = repeated.at(b=bb), written_out.at(b=bb)
+            assert (one.bytes, one.peak_point.where) == (other.bytes, other.peak_point.where)
     with pytest.raises(ConfigError, match="no gradient checkpointing"):
         sm.estimate(g, sm.Policy(recompute="full"))

@@ -48,23 +48,31 @@ def hf_vit(h_, a_, L_, f_, image, patch, classes, attention, dropout=0.0):
                          ids=[f"b{c[0]}-h{c[1]}-L{c[3]}-{c[5]}px-P{c[6]}-{c[8]}-{c[9]}-{c[10]}-p{c[12]}" for c in CASES])
 def test_vit_exact(b, h, a, L, f, image, patch, classes, attention, precision, opt, impl, dropout):
     cfg, model = hf_vit(h, a, L, f, image, patch, classes, attention, dropout)
+    assert_vit_step_exact(cfg, model, sm.Policy(precision, opt, "cpu", impl), b, image, classes)
+
+
+def assert_vit_step_exact(cfg, model, policy, b, image, classes):
+    """symmem's estimate of ``model`` under ``policy`` against its measured training step at
+    batch ``b``: parameters, bytes saved for backward, the peak, its phase and every phase's
+    maximum, to the byte (a bfloat16 policy puts the model and the images in bfloat16)."""
     keys = {**cfg.to_dict(), "attn_implementation": cfg._attn_implementation}
-    est = sm.estimate(sm.models.from_hf_config(keys), sm.Policy(precision, opt, "cpu", impl))
+    est = sm.estimate(sm.models.from_hf_config(keys), policy)
     if b == 1:
         est = est.at_one
     ev = est.at(b=b)
     x = torch.randn(b, 3, image, image)
-    if precision == "bf16":      # model.to(bfloat16), and images in it
+    if policy.precision == "bf16":      # model.to(bfloat16), and images in it
         model.to(torch.bfloat16)
         x = x.to(torch.bfloat16)
     assert ev.bytes["params"] == param_bytes(model)
     y = torch.randint(0, classes, (b,))
 
     def fwd(m=model):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=policy.precision == "bf16-mixed"):
             return m(pixel_values=x, labels=y).loss
     assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
-    report = training_step(model, fwd, optimizer(opt, impl, model.parameters()), extra=(x, y))
+    opt = optimizer(policy.optimizer, policy.implementation, model.parameters())
+    report = training_step(model, fwd, opt, extra=(x, y))
     assert_step_exact(est, report, b=b)
 
 
@@ -135,22 +143,5 @@ def test_vit_recomputed_exact(b, attention, precision):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         enable_checkpointing(model)
-    keys = {**cfg.to_dict(), "attn_implementation": cfg._attn_implementation}
-    est = sm.estimate(sm.models.from_hf_config(keys), sm.Policy(precision, "adamw", "cpu", "for-loop",
-                                                                recompute="full"))
-    if b == 1:
-        est = est.at_one
-    ev = est.at(b=b)
-    x = torch.randn(b, 3, image, image)
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-        x = x.to(torch.bfloat16)
-    assert ev.bytes["params"] == param_bytes(model)
-    y = torch.randint(0, classes, (b,))
-
-    def fwd(m=model):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return m(pixel_values=x, labels=y).loss
-    assert ev.bytes["activations"] == saved_bytes(fwd, exclude=model).total
-    report = training_step(model, fwd, optimizer("adamw", "for-loop", model.parameters()), extra=(x, y))
-    assert_step_exact(est, report, b=b)
+    assert_vit_step_exact(cfg, model, sm.Policy(precision, "adamw", "cpu", "for-loop", recompute="full"), b, image,
+                          classes)
