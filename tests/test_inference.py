@@ -94,7 +94,29 @@ def test_unknown_mode_and_cache():
         sm.Policy(mode="inference", cache="paged")
     with pytest.raises(ConfigError) as err:    # QuantizedCache: not modelled, with the reason
         sm.Policy(mode="inference", cache="quantized")
-    assert err.value.field == "cache" and "quanto or HQQ" in str(err.value) and "--cache static" in str(err.value)
+    assert err.value.field == "cache" and "quanto or HQQ" in str(err.value) and "--cache fp8" in str(err.value)
+
+
+def test_fp8_cache():
+    """QuantizedCache(backend="fp8"): 1 byte an element and a 4-byte scale per tensor. Llama-2-7b
+    after s + n_g positions: 2 * 32 layers * 32 kv heads * 128 = 262,144 bytes a position and
+    sequence, 256 bytes of scales; half the bf16 dynamic cache's 524,288 bytes a position."""
+    fp8 = sm.estimate("llama-2-7b", sm.Policy("bf16", mode="inference", cache="fp8")).at(b=4, s=1000, n_g=24)
+    dyn = sm.estimate("llama-2-7b", sm.Policy("bf16", mode="inference")).at(b=4, s=1000, n_g=24)
+    assert fp8.bytes["cache"] == 262_144 * 4 * 1024 + 256
+    assert dyn.bytes["cache"] == 524_288 * 4 * 1024
+    assert fp8.peak < dyn.peak
+
+
+@pytest.mark.parametrize("model,precision,words", [
+    ("llama-2-7b", "bf16-mixed", ["--precision bf16-mixed (autocast)", "at::autocast::prioritize"]),
+    ("mistral-7b", "bf16", ["sliding window (4096)", "--cache dynamic"])])
+def test_fp8_cache_refusals(model, precision, words):
+    """What transformers itself cannot run: fp8 tensors concatenated under autocast, and a
+    QuantizedCache over sliding-window layers."""
+    with pytest.raises(ConfigError) as err:
+        sm.estimate(model, sm.Policy(precision, mode="inference", cache="fp8"))
+    assert err.value.field == "cache" and all(w in str(err.value) for w in words)
 
 
 def test_sliding_window_requirement():

@@ -1,6 +1,6 @@
 """Inference against Hugging Face's own causal LMs (Llama, Qwen2, Mistral, GPT-2, GPT-NeoX,
 OPT) on the CPU: the prefill of a prompt and one decoding step with transformers'
-``DynamicCache`` (or ``StaticCache``), under ``torch.no_grad`` (random weights, small configs,
+``DynamicCache`` (or ``StaticCache``, or ``QuantizedCache`` in fp8), under ``torch.no_grad`` (random weights, small configs,
 no download). Each case checks, to the byte, the peak of the prefill, the peak of the decoding
 step and the KV cache after it, measured by :func:`symmem.measure.inference_pass` (live
 storages after every operator)."""
@@ -55,21 +55,29 @@ def hf_model(family, point, attention):
     return cfg, model_class(cfg).eval()
 
 
-def measure_generation(model, precision, ids, n_g, V, static=None, logits="last"):
+def measure_generation(model, precision, ids, n_g, V, static=None, logits="last", fp8=False):
     """(prefill report, decoding-step report, cache bytes after it): the prompt ``ids``, then
     n_g - 1 untracked decoding steps, then the tracked one (the cache then holds s + n_g).
     ``static``: a StaticCache of that many positions instead of a DynamicCache; its layers'
     ``cumulative_length`` counters (made by ``StaticCache()``, before the prefill) are part of it.
-    ``logits``: ``last`` calls the model with ``logits_to_keep=1``, as ``generate`` does; ``all``
-    without it (every position's logits)."""
+    ``fp8``: a ``QuantizedCache(backend="fp8")``, whose layers keep (fp8 tensor, float32 scale)
+    pairs. ``logits``: ``last`` calls the model with ``logits_to_keep=1``, as ``generate`` does;
+    ``all`` without it (every position's logits)."""
     keep = 1 if logits == "last" else 0
     if static:
         cache = transformers.StaticCache(config=model.config, max_cache_len=static)
+    elif fp8:
+        cache = transformers.QuantizedCache(backend="fp8", config=model.config)
     else:
         cache = transformers.DynamicCache(config=model.config)
 
     def counters():
         return [x.cumulative_length for x in cache.layers] if static else []
+
+    def tensors():      # what the cache holds
+        if fp8:
+            return [t for x in cache.layers for t in (*x._quantized_keys, *x._quantized_values)]
+        return [t for x in cache.layers for t in (x.keys, x.values)] + counters()
 
     def forward(x):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
@@ -83,22 +91,18 @@ def measure_generation(model, precision, ids, n_g, V, static=None, logits="last"
     nxt = torch.randint(0, V, (b, 1))
     # the cache's tensors handed over by a function: a list made in the call would keep the
     # previous keys and values alive through it
-    decode, out = inference_pass(model, lambda: forward(nxt),
-                                 extra=lambda: (nxt, [x.keys for x in cache.layers], [x.values for x in cache.layers],
-                                                counters()))
+    decode, out = inference_pass(model, lambda: forward(nxt), extra=lambda: (nxt, tensors()))
     del out
-    cached = sum(x.keys.untyped_storage().nbytes() + x.values.untyped_storage().nbytes() for x in cache.layers)
-    cached += sum(x.untyped_storage().nbytes() for x in counters())
-    return prefill, decode, cached
+    return prefill, decode, sum(x.untyped_storage().nbytes() for x in tensors())
 
 
-def assert_generation_exact(est, model, precision, b, s, n_g, V, static=None, logits="last"):
+def assert_generation_exact(est, model, precision, b, s, n_g, V, static=None, logits="last", fp8=False):
     """The prefill's and the decoding step's peaks, each phase's own maximum over the estimate's
     timeline, and the cache, to the byte."""
     if b == 1:                  # b = 1 reshapes some copies into views (Estimate.at_one)
         est = est.at_one
     ids = torch.randint(0, V, (b, s))
-    prefill, decode, cached = measure_generation(model, precision, ids, n_g, V, static, logits)
+    prefill, decode, cached = measure_generation(model, precision, ids, n_g, V, static, logits, fp8)
     subs = est._subs({"b": b, "s": s, "n_g": n_g})
     predicted = {step: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == step)
                  for step in ("prefill", "decode")}
@@ -188,6 +192,33 @@ def test_static_cache_exact(family, point, attention, precision, n_g, max_len, l
     B_k, B_v = {"fp32": (4, 4), "bf16": (2, 2), "bf16-mixed": (2 if family.startswith("opt") else 4, 2)}[precision]
     assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == L * b * k * T * (h // a) * (B_k + B_v) + 8 * L
     assert_generation_exact(est, model, precision, b, s, n_g, V, static=T, logits=logits)
+
+
+# (family, point, attention, precision, n_g); no autocast, which cannot concatenate fp8 tensors
+FP8 = [
+    ("llama", POINTS[0], "eager", "fp32", 3),
+    ("llama", POINTS[1], "eager", "bf16", 2),
+    ("llama", POINTS[2], "sdpa", "fp32", 2),        # b = 1, multi-query
+    ("qwen2", POINTS[1], "sdpa", "bf16", 3),
+    ("gpt2", POINTS[0], "eager", "fp32", 2),
+    ("gpt_neox", POINTS[0], "sdpa", "bf16", 3),
+    ("opt", POINTS[1], "eager", "fp32", 2),
+]
+
+
+@pytest.mark.parametrize("family,point,attention,precision,n_g", FP8,
+                         ids=[f"{fam}-b{p[0]}-s{p[1]}-k{p[5]}-{at}-{pr}-n{n}" for fam, p, at, pr, n in FP8])
+def test_fp8_cache_exact(family, point, attention, precision, n_g):
+    """transformers' QuantizedCache(backend="fp8"): keys and values calibrated and quantized at
+    the prefill, appended in fp8 by the decoding step, which dequantizes the whole cache for
+    attention. Peaks of both steps and the cache, to the byte."""
+    b, s, h, f, a, k, L, V = point
+    model, est = model_and_estimate(family, point, attention, precision, cache="fp8")
+    kv = a if family in ("gpt2", "gpt_neox", "opt") else k      # multi-head families: k unused
+    # 1 byte an element of the keys and the values of s + n_g positions, and each tensor's
+    # float32 scale: e.g. llama b2 s8 n3, 2 kv heads of 8 in 2 layers: 2*2*2*11*8*2 + 4*4 = 1,424
+    assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == 2 * L * b * kv * (s + n_g) * (h // a) + 8 * L
+    assert_generation_exact(est, model, precision, b, s, n_g, V, fp8=True)
 
 
 # a vocabulary large enough for the prefill's logits to be its peak: (b, s, h, f, a, k, L, V)

@@ -49,8 +49,15 @@ prefill's first update of each layer and written in place by the decoding step, 
 the whole cache exists; the eager mask has T columns; SDPA's decoding step gets a boolean
 (1, 1, 1, T) mask (``static_sdpa_mask``) and makes a float copy of it inside each call
 (``sdpa_float_mask``, held until the kernel returns); each layer keeps an 8-byte counter.
-Refused: a sliding window (``StaticSlidingWindowLayer``) and SDPA on CUDA. ``QuantizedCache``
-is refused by the policy.
+Refused: a sliding window (``StaticSlidingWindowLayer``) and SDPA on CUDA.
+
+``cache="fp8"``: transformers' ``QuantizedCache(backend="fp8")`` of ``Fp8QuantizedLayer``
+layers (:func:`_fp8_update`): fp8 keys and values with a float32 scale per tensor (the scale
+nodes, held by the cache, and in a decoding step ``cache scale`` allocations before it); a
+decoding step dequantizes the whole cache for attention and drops the previous fp8 tensors
+when ``update`` returns. Refused: autocast (PyTorch cannot ``cat`` fp8 tensors under it) and
+sliding-window layers (QuantizedCache refuses them). The quanto and HQQ backends are refused by
+the policy.
 """
 from __future__ import annotations
 
@@ -112,12 +119,22 @@ def apply(plan: Plan, graph: Graph, policy) -> Plan:
     dynamic cache), or the whole cache allocated before it and written in place (static)."""
     if policy.mode != "inference":
         return plan
-    static = policy.cache == "static"
+    static, fp8 = policy.cache == "static", policy.cache == "fp8"
     names = set(cache_nodes(graph))
     sliding = set(cache_nodes(graph, sliding=True))
+    scales = set(_nodes(graph, "kv_fp8_scale"))
+    # where a decoding step's update returns, dropping the previous fp8 tensors
+    returns = {n for n in _nodes(graph, "kv_fp8_dequantize") if n.endswith("v_dequantize")}
     forward, states, pending = [], list(plan.states), []
     counters = policy.device == "cpu" or policy.step == "decode"
     for e in plan.forward:
+        if isinstance(e, Compute) and e.node in scales:     # an fp8 cache's scale, kept with it
+            forward.append(replace(e, holds=e.holds + (Hold(e.out, CACHE_HOLDER),), role="cache"))
+            continue
+        if isinstance(e, Compute) and e.node in returns:
+            forward += [e, *pending]
+            pending = []
+            continue
         if isinstance(e, Compute) and e.node in names:
             holds = e.holds + (Hold(e.out, CACHE_HOLDER),)
             new = e.new
@@ -133,8 +150,9 @@ def apply(plan: Plan, graph: Graph, policy) -> Plan:
             forward.append(e)
             if policy.step == "decode":       # `self.keys = cat(...)` drops the previous keys
                 pending.append(Free(Key("previous cache", e.node, e.copy), _previous_bytes(e.out_bytes), "cache"))
-                # DynamicSlidingWindowLayer makes both cats before it rebinds keys and values
-                if e.node not in sliding or e.node.endswith("v_cache"):
+                # DynamicSlidingWindowLayer makes both cats before it rebinds keys and values;
+                # Fp8QuantizedLayer's locals hold them until it returns
+                if not fp8 and (e.node not in sliding or e.node.endswith("v_cache")):
                     forward += pending
                     pending = []
             continue
@@ -148,6 +166,8 @@ def apply(plan: Plan, graph: Graph, policy) -> Plan:
         for name, nbytes in first.items():
             states.append(Alloc(Key("previous cache", name), nbytes if static else _previous_bytes(nbytes), "cache",
                                 counts[name]))
+        if fp8:                  # each cache tensor's float32 scale, from the prefill
+            states += [Alloc(Key("cache scale", name), sp.Integer(4), "cache", counts[name]) for name in first]
     if static and counters:      # made by StaticCache() on the host: the device's on the CPU
         for name in cache_nodes(graph):
             if name.endswith("k_cache"):
@@ -179,24 +199,28 @@ def _counts(graph: Graph) -> dict:
 
 def cache_bytes(plan: Plan, graph: Graph) -> sp.Expr:
     """The KV cache after the plan's step: each cache node's tensor once per iteration of its
-    block (``2 L b k T d`` bytes per element for a Llama-type model, T the cached positions),
-    and a static cache's counters (8 bytes a layer)."""
-    names, counts, seen = set(cache_nodes(graph)), _counts(graph), {}
+    block (``2 L b k T d`` bytes per element for a Llama-type model, T the cached positions;
+    1 byte an element in fp8), a static cache's counters (8 bytes a layer) and an fp8 cache's
+    scales (4 bytes a tensor)."""
+    names, counts, seen = set(cache_nodes(graph)) | set(_nodes(graph, "kv_fp8_scale")), _counts(graph), {}
     for e in plan.forward:
         if isinstance(e, Compute) and e.node in names:
             seen.setdefault(e.node, e.out_bytes * counts[e.node])
-    counters = [a.nbytes * a.count for a in plan.states if isinstance(a, Alloc) and a.key.kind == "cache counter"]
-    return sp.expand(sp.Add(*seen.values(), *counters))
+    kept = [a.nbytes * a.count for a in plan.states
+            if isinstance(a, Alloc) and a.key.kind in ("cache counter", "cache scale")]
+    return sp.expand(sp.Add(*seen.values(), *kept))
 
 
 def cache_nodes(graph: Graph, sliding: bool = False) -> tuple[str, ...]:
     """The ``kv_cache`` nodes of a graph, bodies included, in order (``sliding``: those of
     sliding-window attention only)."""
-    out = []
-    for g in graph.graphs():
-        out += [n.name for n in g.items if isinstance(n, Node) and n.op == "kv_cache"
-                and (not sliding or n.attr("window") is not None)]
-    return tuple(out)
+    return tuple(n.name for g in graph.graphs() for n in g.items if isinstance(n, Node) and n.op == "kv_cache"
+                 and (not sliding or n.attr("window") is not None))
+
+
+def _nodes(graph: Graph, op: str) -> tuple[str, ...]:
+    """The names of a graph's ``op`` nodes, bodies included, in order."""
+    return tuple(n.name for g in graph.graphs() for n in g.items if isinstance(n, Node) and n.op == op)
 
 
 # ----- the graph of a step ----------------------------------------------------------------------
@@ -228,7 +252,14 @@ def step_graph(graph: Graph, step: str, policy=None) -> Graph:
                           "mask: not modelled (measured on the CPU only). Use --attention eager.")
     # SDPA gets a materialised boolean mask in a static cache's decoding step
     sdpa_mask = static and step == "decode" and kernel != "eager"
-    out = _rebuilt(g, subs, length, cache_length(step), None, static, sdpa_mask)
+    fp8 = policy is not None and policy.cache == "fp8"
+    if fp8 and policy.prec.autocast:
+        raise ConfigError("cache", "fp8", f"a model in one dtype, not --precision {policy.precision} (autocast)",
+                          "Under torch.autocast, Fp8QuantizedLayer.update's torch.cat of float8 tensors fails in "
+                          "autocast's type promotion ('Unexpected floating ScalarType in at::autocast::prioritize', "
+                          "on the CPU and on CUDA alike), so transformers cannot generate so. Use --precision bf16 "
+                          "(a bfloat16 model) or fp32, or --cache dynamic.")
+    out = _rebuilt(g, subs, length, cache_length(step), None, static, sdpa_mask, fp8)
     if step == "prefill" and (policy is None or policy.logits == "last"):
         _last_position_logits(out)
     windows = {n.attr("window") for x in out.graphs() for n in x.items
@@ -238,6 +269,11 @@ def step_graph(graph: Graph, step: str, policy=None) -> Graph:
                                              "StaticLayer layers)",
                           f"This model's attention has a sliding window ({min(windows)}): transformers then makes "
                           "StaticSlidingWindowLayer layers, which symmem does not model; use --cache dynamic.")
+    if fp8 and windows:
+        raise ConfigError("cache", "fp8", "a model without sliding-window attention (transformers' QuantizedCache "
+                                          "takes full-attention layers only)",
+                          f"This model's attention has a sliding window ({min(windows)}), which QuantizedCache "
+                          "refuses; use --cache dynamic.")
     if static and policy.max_cache_len is not None:
         out.require(s + n_g, length, "the prompt and the tokens generated fit in the static cache's "
                                      "max_cache_len positions (StaticLayer.update writes past its end otherwise)")
@@ -301,9 +337,10 @@ def _root(g: Graph) -> Graph:
     return g
 
 
-def _rebuilt(g: Graph, subs: dict, length, seen, parent, static: bool = False, sdpa_mask: bool = False) -> Graph:
+def _rebuilt(g: Graph, subs: dict, length, seen, parent, static: bool = False, sdpa_mask: bool = False,
+             fp8: bool = False) -> Graph:
     """A copy of ``g`` with every shape substituted (``subs``), the cache nodes inserted
-    (``static``: a StaticCache's) and the causal mask's columns set to the cache's length
+    (``static``: a StaticCache's; ``fp8``: an fp8 QuantizedCache's, :func:`_fp8_update`) and the causal mask's columns set to the cache's length
     (``sdpa_mask``: SDPA's boolean mask, and its float copy inside each attention call);
     OPT's position mask and ids over the ``seen`` positions (s + n_g in the decoding step,
     whatever the cache), of which the step embeds its own (a decoding step: ``subs``)."""
@@ -329,7 +366,7 @@ def _rebuilt(g: Graph, subs: dict, length, seen, parent, static: bool = False, s
 
     for item in g.items:
         if isinstance(item, Repeat):
-            body = _rebuilt(item.body, subs, length, seen, out, static, sdpa_mask)
+            body = _rebuilt(item.body, subs, length, seen, out, static, sdpa_mask, fp8)
             # `hidden_states = layer(hidden_states)`: the model's loop keeps each layer's input
             # until the layer returns (in training the saved tensors outlive it anyway)
             body.locals = body.locals + tuple((c, o) for c, o in zip(item.carries, item.output))
@@ -360,15 +397,21 @@ def _rebuilt(g: Graph, subs: dict, length, seen, parent, static: bool = False, s
             node = replace(node, shape=(*node.shape[:3], length))
             if sdpa_mask:
                 node = replace(node, op="static_sdpa_mask", shape=(sp.Integer(1), sp.Integer(1), node.shape[2], length))
-        if item.op == "attention":
+        if item.op == "attention" and fp8:
             q, key, v, *rest = node.inputs
-            base = node.name.rsplit("/", 1)[0] + "/" if "/" in node.name else node.name + "/"
+            returned, held = _fp8_update(out, put_new, _base(node.name), key, v, length, bool(subs))
+            moved.update(returned)
+            holds += held
+            node = replace(node, inputs=(q, returned.get(key, key), returned.get(v, v), *rest))
+        elif item.op == "attention":
+            q, key, v, *rest = node.inputs
+            base = _base(node.name)
             cached = []
             for value, which in ((key, "k"), (v, "v")):
                 shape = out._lookup_shape(value)
                 name = f"{base}{which}_cache"
                 # one kv head (multi-query): the model's own 1, so that repeat_kv sees a view
-                heads = 1 if sp.sympify(shape[1]).xreplace(_root(g).bindings) == 1 else shape[1]
+                heads = _cached_heads(out, shape)
                 put(Node(name, "kv_cache", (value,), attrs=(("kv_heads", heads), ("length", length),
                                                             ("static", static), ("which", which),
                                                             ("window", attrs.get("window"))),
@@ -388,3 +431,57 @@ def _rebuilt(g: Graph, subs: dict, length, seen, parent, static: bool = False, s
         put(node)
     out.locals = tuple((moved.get(v, v), u) for v, u in g.locals) + tuple(holds)
     return out
+
+
+def _base(attention: str) -> str:
+    """The prefix of the nodes an attention node's cache update adds (its block's path)."""
+    return attention.rsplit("/", 1)[0] + "/" if "/" in attention else attention + "/"
+
+
+def _cached_heads(g: Graph, shape):
+    """The kv heads of a cache tensor as the model binds them: one kv head (multi-query) is
+    the model's own 1, so that repeat_kv sees a view."""
+    return 1 if sp.sympify(shape[1]).xreplace(_root(g).bindings) == 1 else shape[1]
+
+
+def _fp8_update(g: Graph, put_new, base: str, key: str, value: str, length, decode: bool):
+    """``Fp8QuantizedLayer.update`` (transformers 5.24 ``cache_utils.py``) for one attention
+    node: the nodes it adds to ``g`` (``put_new``), then ``(returned, held)``: what the
+    attention reads instead of the keys and values it was handed, and the locals update holds.
+
+    - prefill (``lazy_initialization``): keys, then values, calibrated (``kv_fp8_scale``, kept
+      by the cache) and quantized whole into the cache (``kv_cache`` with ``fp8="calibrated"``);
+      update returns the states themselves, so attention reads them as in training;
+    - decoding step: the new keys, then values, quantized with the prefill's scales
+      (``kv_fp8_quantize``, locals of update until it returns), each cache's fp8 cat
+      (``fp8="append"``), then each dequantized whole (``kv_fp8_dequantize``), which attention
+      reads; the states handed in, the quantized new positions and (in the plan, from the
+      inference pass) the previous fp8 tensors live until update returns, after the values'
+      dequantization."""
+    made = {}
+    if not decode:
+        for states, which in ((key, "k"), (value, "v")):
+            shape = g._lookup_shape(states)
+            scale = put_new(Node(f"{base}{which}_scale", "kv_fp8_scale", (states,), shape=()))
+            heads = _cached_heads(g, shape)
+            put_new(Node(f"{base}{which}_cache", "kv_cache", (states, scale),
+                         attrs=(("fp8", "calibrated"), ("kv_heads", heads), ("length", length), ("which", which)),
+                         shape=(shape[0], heads, length, shape[3])))
+        return {}, []
+    for states, which in ((key, "k"), (value, "v")):
+        made[which] = put_new(Node(f"{base}{which}_new", "kv_fp8_quantize", (states,),
+                                   shape=g._lookup_shape(states)))
+    for states, which in ((key, "k"), (value, "v")):
+        shape = g._lookup_shape(states)
+        heads = _cached_heads(g, shape)
+        made[which + "c"] = put_new(Node(f"{base}{which}_cache", "kv_cache", (made[which],),
+                                         attrs=(("fp8", "append"), ("kv_heads", heads), ("length", length),
+                                                ("which", which)),
+                                         shape=(shape[0], heads, length, shape[3])))
+    returned = {}
+    for states, which in ((key, "k"), (value, "v")):
+        cache = made[which + "c"]
+        returned[states] = put_new(Node(f"{base}{which}_dequantize", "kv_fp8_dequantize", (cache, states),
+                                        shape=g._lookup_shape(cache)))
+    end = returned[value]
+    return returned, [(key, end), (value, end), (made["k"], end), (made["v"], end)]

@@ -97,13 +97,13 @@ class Policy:
     stage: int = field(default=0, repr=False)
 
     def __post_init__(self):
-        if str(self.cache).lower() == "quantized":      # a name users reach for: refused with the reason
-            raise ConfigError("cache", self.cache, "dynamic or static",
-                              "transformers' QuantizedCache keeps keys and values packed by the quanto or HQQ "
-                              "library (integers, scales and zero points in that library's layout) or in FP8 "
-                              "per tensor, beside a residual of full-precision positions: not modelled, since its "
-                              "bytes cannot be stated from transformers' code alone and neither backend is "
-                              "measured. Use --cache dynamic or --cache static.")
+        if str(self.cache).lower() in ("quantized", "quanto", "hqq"):     # names users reach for: refused
+            raise ConfigError("cache", self.cache, "dynamic, static or fp8",
+                              "transformers' QuantizedCache with the quanto or HQQ backend keeps keys and values "
+                              "packed by that library (integers, scales and zero points in its own layout) beside "
+                              "a residual of full-precision positions, re-quantizing the whole cache every "
+                              "residual_length steps: not modelled. Its fp8 backend is (--cache fp8); otherwise "
+                              "use --cache dynamic or --cache static.")
         for part in PARTS:
             if part.registry is not None:     # canonical names: "AdamW" is "adamw"
                 object.__setattr__(self, part.field, part.registry.lookup(getattr(self, part.field)).name)
@@ -293,7 +293,7 @@ class Policy:
         att = self.attention + (f" ({', '.join(kernels)})" if self.attention == "sdpa" and kernels else "")
         if self.mode == "inference":
             cache = self.cache + (f", max_cache_len {self.max_cache_len}" if self.max_cache_len is not None else "")
-            return (f"inference with a {cache} KV cache (prefill and one decoding step, torch.no_grad; the "
+            return (f"inference with {'an' if cache == 'fp8' else 'a'} {cache} KV cache (prefill and one decoding step, torch.no_grad; the "
                     f"prefill's logits: {'last position' if self.logits == 'last' else 'every position'}); "
                     f"{self.precision} ({self._inference_precision()}); device {self.device}; attention {att}")
         out = (f"{self.precision} ({self.prec.description}); {self.optimizer} "

@@ -18,6 +18,10 @@ CACHES.register(Choice("dynamic", "transformers' DynamicCache (generate's defaul
 CACHES.register(Choice("static", "transformers' StaticCache: each layer's keys and values preallocated for "
                                  "max_cache_len positions (s + n_g unless --max-cache-len) at the first update and "
                                  "written in place; attention runs over all max_cache_len positions"))
+CACHES.register(Choice("fp8", "transformers' QuantizedCache(backend=\"fp8\"): each layer's keys and values in "
+                              "float8_e4m3fn (1 byte an element) with one float32 scale per tensor, calibrated "
+                              "at the prefill; each decoding step appends in fp8 and hands attention a "
+                              "dequantized copy of the whole cache in the states' dtype"))
 
 LOGITS = Registry("logits")
 LOGITS.register(Choice("last", "generate's logits_to_keep=1: the prefill projects the last position only, "

@@ -8,10 +8,11 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ShapeError
-from .core import BOOL, I64, Footprint, TensorInfo, rule
+from .core import BOOL, F32, I64, Footprint, TensorInfo, rule
+from .fp8 import FP8
 
 __all__ = ["kv_cache_rule", "static_update_temp", "static_sdpa_mask_rule", "sdpa_float_mask_rule",
-           "static_seq_length_rule"]
+           "static_seq_length_rule", "fp8_scale_rule", "fp8_quantize_rule", "fp8_dequantize_rule", "fp8_cast_temp"]
 
 
 @rule("kv_cache")
@@ -26,7 +27,18 @@ def kv_cache_rule(node, ins, ctx):
     model binds them (1 for multi-query attention, where repeating them is a view).
 
     ``static``: transformers' ``StaticLayer.update`` instead, T = max_cache_len; its scratch
-    in :func:`static_update_temp` (``which``: k or v)."""
+    in :func:`static_update_temp` (``which``: k or v).
+
+    ``fp8`` (``QuantizedCache(backend="fp8")``'s ``Fp8QuantizedLayer``): ``"calibrated"`` at the
+    prefill, the states quantized whole with their scale (inputs: the states, the
+    :func:`fp8_scale_rule` node), ``(x.float() / scale).to(float8_e4m3fn)``: a (b, k, s, d)
+    fp8 tensor, its scratch in :func:`fp8_cast_temp`; ``"append"`` in a decoding step,
+    ``torch.cat([quantized_keys, new_keys], dim=-2)`` of the :func:`fp8_quantize_rule` node's
+    new positions: a (b, k, T, d) fp8 tensor, as the dynamic cache's cat."""
+    if node.attr("fp8") == "calibrated":
+        x = ins[0]
+        return Footprint(TensorInfo(x.shape, FP8, requires_grad=False), grads=(None, None),
+                         fwd_temp=fp8_cast_temp(x))
     (x,) = ins
     if len(x.shape) != 4:
         raise ShapeError(node.name, x.shape, "(batch, kv heads, sequence, head_dim) key or value states")
@@ -84,3 +96,49 @@ def static_seq_length_rule(node, ins, ctx):
     prefill has initialised it, so the sum is a new 0-dim int64 tensor: 8 bytes, a local of the
     decoder until it returns. Input: the token ids (b, q)."""
     return Footprint(TensorInfo((), I64, requires_grad=False), grads=(None,))
+
+
+def fp8_cast_temp(x) -> sp.Expr:
+    """Scratch of ``Fp8QuantizedLayer._quantize``'s ``(x.float() / scale).to(float8_e4m3fn)``
+    on states ``x`` of N elements, beyond its fp8 output (N bytes): ``x.float()`` is a float32
+    copy (4N; ``x`` itself in float32), the division another 4N while it lives; the copy is
+    freed, then the cast makes the output while the quotient lives. Largest: 8N with a copy
+    (7N beyond the output), else 4N + N (4N beyond it)."""
+    n = x.numel
+    return 4 * n if x.dtype.nbytes == 4 else 7 * n
+
+
+@rule("kv_fp8_scale")
+def fp8_scale_rule(node, ins, ctx):
+    """``Fp8QuantizedLayer._quantize``'s calibration at the prefill (transformers 5.24
+    ``cache_utils.py``): ``scale = (x.abs().amax().float() / fp8_max).clamp(min=tiny)``, a
+    0-dim float32 (4 bytes) the cache keeps with its tensor. Largest moment: ``x.abs()`` (N
+    elements in x's B bytes) with its 0-dim ``amax`` (B bytes), before the scale exists, so the
+    scratch beyond it is B·N + B - 4. Input: the key or value states (b, k, s, d)."""
+    (x,) = ins
+    return Footprint(TensorInfo((), F32, requires_grad=False), grads=(None,),
+                     fwd_temp=x.numel * x.dtype.nbytes + x.dtype.nbytes - 4)
+
+
+@rule("kv_fp8_quantize")
+def fp8_quantize_rule(node, ins, ctx):
+    """``Fp8QuantizedLayer.update``'s ``new_keys, _ = self._quantize(key_states, scale=key_scale)``
+    in a decoding step: the step's states in fp8 with the prefill's scale, a local of
+    ``update`` until it returns; scratch :func:`fp8_cast_temp`. Input: the new key or value
+    states (b, k, q, d)."""
+    (x,) = ins
+    return Footprint(TensorInfo(x.shape, FP8, requires_grad=False), grads=(None,), fwd_temp=fp8_cast_temp(x))
+
+
+@rule("kv_fp8_dequantize")
+def fp8_dequantize_rule(node, ins, ctx):
+    """``Fp8QuantizedLayer._dequantize``: ``(quant_tensor.float() * scale).to(self.keys.dtype)``
+    over the whole cache (N elements), what ``update`` returns to the attention: a (b, k, T, d)
+    tensor in the states' dtype (B bytes; ``self.keys`` is an empty tensor of the prefill's). ``float()`` makes 4N, the product
+    another 4N while it lives (8N), then the cast B·N while the product lives (none in
+    float32, where the product is the result): scratch 8N - B·N beyond the output. Inputs:
+    the fp8 cache tensor, the step's new states (b, k, q, d) in their dtype."""
+    x, states = ins
+    dt = states.dtype
+    return Footprint(TensorInfo(x.shape, dt, requires_grad=False), grads=(None, None),
+                     fwd_temp=8 * x.numel - x.numel * dt.nbytes)
