@@ -5,8 +5,9 @@ CUDA prediction.
     python benchmarks/gpu_check.py --json out.json [--only gpt2]
     python benchmarks/gpu_check.py --device cpu --sizes tiny   # the same code on the CPU, tiny models
 
-Cases: GPT-2 small (124M) and medium (355M) and a Llama-shaped model of 1.1B parameters
-(TinyLlama's shape: h = 2048, 22 layers, 32 heads, 4 key/value heads); eager and SDPA attention;
+Cases: GPT-2 small (124M) and medium (355M), a Llama-shaped model of 1.1B parameters
+(TinyLlama's shape: h = 2048, 22 layers, 32 heads, 4 key/value heads) and T5-base (SDPA's
+mem-efficient kernel with the position bias and its gradient, derived); eager and SDPA attention;
 fp32, bf16 autocast and pure bf16; AdamW for-loop, foreach and fused; with and without full
 recomputation. Per case it prints and writes symmem's prediction (bytes saved for backward, the
 training step's peak and its phase) beside what the step did: the bytes saved for backward and
@@ -49,6 +50,8 @@ MODELS = {
         "llama-1.1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                                            num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
                                            max_position_embeddings=2048), 4, 1024),
+        "t5-base": ("T5Config", dict(d_model=768, d_ff=3072, num_heads=12, d_kv=64, num_layers=12,
+                                     vocab_size=32128, decoder_start_token_id=0), 8, 512),
     },
     "tiny": {
         "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=32), 2, 16),
@@ -56,11 +59,16 @@ MODELS = {
         "llama-1.1b": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
                                            max_position_embeddings=32), 2, 16),
+        "t5-base": ("T5Config", dict(d_model=32, d_ff=64, num_heads=4, d_kv=8, num_layers=2, vocab_size=100,
+                                     decoder_start_token_id=0), 2, 16),
     },
 }
+#: T5's labels (the decoder's length s_d): a quarter of the inputs' (a multiple of 16)
+DECODER = {"T5Config": 4}
 
 #: model, attention, precision, AdamW implementation, recompute
-CLASSES = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM"}
+CLASSES = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM",
+           "T5Config": "T5ForConditionalGeneration"}
 
 CASES = [
     ("gpt2", "eager", "fp32", "for-loop", "none"),
@@ -75,6 +83,12 @@ CASES = [
     ("llama-1.1b", "sdpa", "bf16", "foreach", "none"),
     ("llama-1.1b", "sdpa", "bf16-mixed", "foreach", "full"),
     ("llama-1.1b", "sdpa", "fp32", "foreach", "none"),
+    # SDPA on CUDA: mem-efficient with the position bias as attn_bias and its gradient
+    ("t5-base", "sdpa", "fp32", "foreach", "none"),
+    ("t5-base", "sdpa", "bf16-mixed", "foreach", "none"),
+    ("t5-base", "sdpa", "bf16", "foreach", "none"),
+    ("t5-base", "sdpa", "fp32", "for-loop", "full"),
+    ("t5-base", "eager", "bf16-mixed", "fused", "none"),
 ]
 
 BACKENDS = {"ScaledDotProductFlashAttentionBackward0": "flash",
@@ -125,20 +139,22 @@ def run(case, size, device):
     name, attention, precision, impl, recompute = case
     cfg, model, b, s = build(name, size, attention, precision, recompute, device)
     ids = torch.randint(0, cfg.vocab_size, (b, s), device=device)
+    s_d = s // DECODER.get(type(cfg).__name__, 1)
+    labels = torch.randint(0, cfg.vocab_size, (b, s_d), device=device) if s_d != s else ids
 
     def loss():
         with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(ids, labels=ids).loss
+            return model(input_ids=ids, labels=labels).loss
     kernel = sdpa_kernel(loss) if attention == "sdpa" else attention
     graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": attention})
     est = sm.estimate(graph, sm.Policy(precision, "adamw", device, impl, recompute=recompute, attention=kernel))
-    ev = est.at(b=b, s=s)
+    ev = est.at(b=b, s=s, **({"s_d": s_d} if s_d != s else {}))
     saved = saved_bytes(loss, exclude=model)
     on_device = sum(e.storage_nbytes for e in saved.entries if e.counted and e.device.startswith(device))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     opt = torch.optim.AdamW(model.parameters(), foreach=impl == "foreach", fused=impl == "fused")
-    report = training_step(model, lambda m: loss(), opt, extra=(ids,))
+    report = training_step(model, lambda m: loss(), opt, extra=(ids, labels))
     return {"model": name, "b": b, "s": s, "attention": attention, "kernel": "+".join(est.kernels),
             "precision": precision, "implementation": impl, "recompute": recompute,
             "parameters": sum(p.numel() for p in model.parameters()),

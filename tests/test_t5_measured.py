@@ -254,13 +254,123 @@ def test_fused_kernels_and_float16_are_refused():
     g = sm.models.from_hf_config({**BASE, "dropout_rate": 0.0})
     with pytest.raises(ConfigError) as e:
         sm.estimate(g, sm.Policy("fp32", "sgd", "cpu", attention="sdpa"))
-    assert "a kernel symmem models for" in str(e.value) and "(eager, math)" in str(e.value)
+    assert "a kernel symmem models for" in str(e.value) and "(eager, math, mem-efficient)" in str(e.value)
     with pytest.raises(ConfigError) as e:
         sm.estimate(g, sm.Policy("bf16-mixed", "sgd", "cuda", attention="flash"))
     assert "--attention eager" in str(e.value)
     with pytest.raises(ConfigError) as e:
         sm.estimate(g, sm.Policy("fp16", "sgd", attention="eager"))
     assert "T5 clamps float16 hidden states" in str(e.value)
+
+
+def _saved_on_meta(cfg, b, s, s_d, precision):
+    """The bytes autograd saves in T5's training forward as CUDA runs it with SDPA, counted on
+    PyTorch's meta device (shapes and dtypes, no data): the model is transformers' own; SDPA is
+    dispatched as ``attention.cpp`` does it on CUDA with a float mask (``preprocess_mask``'s
+    expand to the batch, 16 | s_k, then ``_scaled_dot_product_efficient_attention``, whose meta
+    function and autograd formula are PyTorch's); dropout as CUDA runs it (``native_dropout``:
+    a bool mask; on the CPU and meta devices ``F.dropout`` saves a float one). Each distinct
+    storage once, the weights excluded."""
+    f = torch.nn.functional
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, dropout_p, False,
+                                                                      scale=scale)[0]
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(cfg)
+    model.train()
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in weights:
+            seen[st._cdata] = st.nbytes()
+        return t
+    ids = torch.randint(0, cfg.vocab_size, (b, s), device="meta")
+    labels = torch.randint(0, cfg.vocab_size, (b, s_d), device="meta")
+    originals = f.scaled_dot_product_attention, f.dropout
+    f.scaled_dot_product_attention, f.dropout = sdpa, dropout
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=labels)
+    finally:
+        f.scaled_dot_product_attention, f.dropout = originals
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("point,ff,precision", [
+    ((2, 16, 32, 32, 64, 4, 8, 3, 2, 100), "relu", "bf16"),
+    ((3, 32, 16, 48, 96, 6, 8, 2, 3, 80), "gated-gelu", "fp32"),
+    ((1, 16, 16, 32, 64, 4, 16, 2, 2, 60), "gated-gelu", "bf16"),     # b = 1: the bias's expand a view
+])
+def test_cuda_sdpa_saved_bytes_from_pytorch_meta(point, ff, precision):
+    """On CUDA, T5's SDPA runs the mem-efficient kernel with the position bias as attn_bias
+    (flash takes no mask), which needs its gradient. Its bytes saved for backward, derived
+    from PyTorch's sources, against the same forward counted on the meta device: equal but
+    for each attention call's 16 bytes of philox seed and offset, which the meta device keeps
+    with the rest and CUDA keeps on the host (``attention.cu``: ``at::scalar_tensor`` without a
+    device). 7 calls here for 3 encoder + 2 decoder layers (one self-attention in each encoder
+    layer, two attentions in each decoder layer)."""
+    b, s, s_d, h, f, a, d_kv, L, L_d, V = point
+    cfg = transformers.T5Config(d_model=h, d_ff=f, num_heads=a, d_kv=d_kv, num_layers=L, num_decoder_layers=L_d,
+                                vocab_size=V, attn_implementation="sdpa", use_cache=False, decoder_start_token_id=0,
+                                dropout_rate=0.1, feed_forward_proj=ff)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, "adamw", "cuda"))
+    assert est.kernels == ("mem-efficient",)
+    if b == 1:
+        est = est.at_one
+    calls = L + 2 * L_d
+    assert est.at(b=b, s=s, s_d=s_d).bytes["activations"] == _saved_on_meta(cfg, b, s, s_d, precision) - 16 * calls
+
+
+def test_cuda_sdpa_bias_gradient():
+    """The bias's gradient from PyTorch's own functions: ``_efficient_attention_backward``
+    (meta) makes it at the expanded (b, a, s_q, s_k) size, 2*4*32*32*4 = 32,768 bytes for a
+    (1, 4, 32, 32) float32 bias, which symmem gives the kernel's mask input; ExpandBackward
+    sums it to the bias's (1, 4, 32, 32), a new tensor, but at b = 1 hands the gradient on
+    itself (measured on the CPU: the same storage)."""
+    from symmem.rules import Ctx, F32, TensorInfo, get_rule
+    b, a, s, d = 2, 4, 32, 8
+    q = torch.randn(b, a, s, d, device="meta", requires_grad=True)
+    bias = torch.randn(1, a, s, s, device="meta", requires_grad=True)
+    mask = bias.expand(b, a, s, s)
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, mask, True, 0.1)
+    grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        torch.randn(b, a, s, d, device="meta"), q, q, q, mask, out[0], out[1], out[2], out[3], 0.1,
+        [True, True, True, True])
+    assert grads[3].untyped_storage().nbytes() == 32_768
+
+    class Node:
+        name, op, params = "attn", "sdpa_kernel", ()
+
+        def attr(self, key, default=None):
+            return {"kernel": "mem-efficient", "dropout": 0.1, "aligned": True}.get(key, default)
+    x = TensorInfo((b, a, s, d), F32)
+    m = TensorInfo((b, a, s, s), F32, False)
+    fp = get_rule("sdpa_kernel")(Node(), [x, x, x, m], Ctx(device="cuda"))
+    assert fp.grads[3] == "new" and m.nbytes == 32_768
+    # ExpandBackward0 at b = 1: sum_to a shape it already has returns the gradient itself
+    one = torch.randn(1, a, s, s, requires_grad=True)
+    grad = torch.randn(1, a, s, s)
+    (g_in,) = torch.autograd.grad(one.expand(1, a, s, s), one, grad)
+    assert g_in.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+
+
+def test_cuda_sdpa_requires_aligned_sequences():
+    """A sequence whose length 16 does not divide makes preprocess_mask pad the batch-expanded
+    mask (copies in forward and backward, not modelled): refused by the requirement, by name."""
+    est = sm.estimate(sm.models.from_hf_config(BASE), sm.Policy("bf16", "adamw", "cuda"))
+    est.at(b=2, s=64, s_d=32)
+    with pytest.raises(ConfigError) as e:
+        est.at(b=2, s=60, s_d=32)
+    assert "s = 60 is not valid: expected a multiple of 16" in str(e.value) and "pad_bias" in str(e.value)
 
 
 def test_cli_decoder_seq(capsys, tmp_path):

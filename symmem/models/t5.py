@@ -28,9 +28,13 @@ What the model does, read off transformers 5's ``modeling_t5.py`` and measured o
 Attention: eager, or SDPA as transformers calls it (``sdpa_attention_forward``): the bias
 becomes SDPA's float mask (``create_position_bias_mask``: a contiguous copy per layer in the
 encoder, ``torch.where`` with the causal pattern in the decoder), for which PyTorch runs the
-math kernel on the CPU in training (dropout); SDPA without dropout on the CPU (its flash kernel
-with a mask needing a gradient) and the fused CUDA kernels (mem-efficient with a bias gradient)
-are refused, as are float16 models (``T5Block`` clamps float16 hidden states).
+math kernel on the CPU in training (dropout). On CUDA, flash takes no mask, so PyTorch runs the
+mem-efficient kernel with the bias as its ``attn_bias``, whose gradient it makes at the
+batch-expanded (b, a, s_q, s_k) size (:func:`symmem.passes.attention._biased`; derived from
+PyTorch's sources, the bytes saved for backward checked against PyTorch's meta functions in
+``tests/test_t5_measured.py``; s and s_d multiples of 16, required, else the mask is padded).
+SDPA without dropout on the CPU (its flash kernel with a mask needing a gradient) is refused, as
+are float16 models (``T5Block`` clamps float16 hidden states).
 
 ``recompute="full"`` is measured against transformers' activation checkpointing of every
 ``T5Block`` (``activation_checkpointing_enable()``, non-reentrant; ``tests/test_t5_measured.py``:
@@ -193,7 +197,7 @@ def build_t5(cfg: T5Config) -> Graph:
                              name=f"{pre}{sub}/position_bias")
             mode = "causal" if decoder and mod == "SelfAttention" else "contiguous"
             z = g.add("attention", q, k, v, bias, *masks, dropout=p, causal=False, probs_like="keep",
-                      kernels=("eager", "math"), bias_mask=mode, returns_after=f"{pre}{sub}/merge",
+                      kernels=("eager", "math", "mem-efficient"), bias_mask=mode, returns_after=f"{pre}{sub}/merge",
                       weights_until=until, name=f"{pre}{sub}/context")
             z = g.add("merge_heads", z, name=f"{pre}{sub}/merge")
             z = linear(f"{sub}.{mod}.o", z, inner, h)
@@ -289,8 +293,8 @@ def refuse_checkpointing(graph: Graph, policy) -> None:
     """Every layer checkpointed (``recompute="full"``; the other modes are refused: each stack's
     first block is written out, outside the ranges they cut) is measured exact in float32 and
     in a bfloat16 model with eager attention; under autocast, and in a bfloat16 model with SDPA
-    (its math kernel), the measured step differs (the module docstring says by how much):
-    refused."""
+    (its math kernel, on the CPU), the measured step differs (the module docstring says by how
+    much): refused. CUDA's mem-efficient kernel is derived, not measured, in every precision."""
     sdpa = any(n.op == "bias_mask" for g in graph.graphs() for n in g.items if hasattr(n, "op"))
     if policy.recompute.mode != "full":      # each stack's first block is written out: not cut by layer ranges
         raise ConfigError("recompute", str(policy.recompute), "full for T5 (every layer checkpointed, as "
@@ -300,7 +304,7 @@ def refuse_checkpointing(graph: Graph, policy) -> None:
         raise ConfigError("recompute", str(policy.recompute), f"none (or a precision other than {policy.precision}) "
                           "for T5: checkpointed T5 layers are not modelled exactly under autocast",
                           "Leave recompute out, or train in fp32 (or bf16 with --attention eager).")
-    if sdpa and policy.prec.name != "fp32":
+    if sdpa and policy.prec.name != "fp32" and policy.device == "cpu":
         raise ConfigError("recompute", str(policy.recompute), "eager attention for a T5 model in "
                           f"{policy.precision} with checkpointed layers (SDPA's math kernel is not modelled "
                           "exactly there)", "Use --attention eager, train in fp32, or leave recompute out.")

@@ -21,7 +21,8 @@ picks its backend per device, dtype and dropout as PyTorch does) and rewrites th
   bias made the float mask: :func:`~symmem.rules.relative.bias_mask_rule`), ``matmul``,
   ``+ mask``, softmax, dropout, ``matmul(probs, v)``, the output cast back;
 - ``flash``, ``mem-efficient``, ``cudnn``: one ``sdpa_kernel`` node (its rule in
-  :mod:`symmem.rules.attention`).
+  :mod:`symmem.rules.attention`); with ``bias_mask`` on CUDA (T5), the mem-efficient kernel
+  with the position bias as its ``attn_bias`` and its gradient (:func:`_biased`).
 
 Every kernel but eager is called with ``is_causal=True`` and no mask: transformers'
 ``create_causal_mask`` returns None for them when nothing is padded, so the model's
@@ -93,6 +94,12 @@ def prepare(graph: Graph, policy) -> Graph:
         d = sp.sympify(sub.shape(q)[-1])
         ctx = base.float32() if node.attr("fp32") else base        # a module kept in float32
         kernel, head_needs = kernel_of(policy, ctx.act_name, p, d.xreplace(graph.bindings), graph.attention)
+        if (node.attr("bias_mask") and policy.device == "cuda" and kernel in ("flash", "cudnn")
+                and resolve(policy.attention, graph.attention) == "sdpa"):
+            # T5's float attn_mask: flash takes none (sdp_utils.cpp's check_for_attn_mask), so
+            # PyTorch runs the mem-efficient kernel, which takes the mask and its gradient
+            kernel = "mem-efficient"
+            head_needs = check_kernel(kernel, policy.device, ctx.act_name, d.xreplace(graph.bindings))
         if node.attr("kernels") and kernel not in node.attr("kernels"):
             raise ConfigError("attention", kernel, f"a kernel symmem models for {graph.name!r}'s attention "
                               f"({', '.join(node.attr('kernels'))})",
@@ -117,9 +124,17 @@ def prepare(graph: Graph, policy) -> Graph:
                 needs.append(need)
         if masked:
             needs.append(_window_requirement(sub.shape(q)[-2], node.attr("window"), node.attr("window_masked")))
+        biased = node.attr("bias_mask") and kernel == "mem-efficient"
+        if biased:
+            needs.append((16, sub.shape(k)[-2], "the keys' sequence is a multiple of 16: the mem-efficient kernel "
+                                               "pads a mask's last dimension to one (preprocess_mask's pad_bias, "
+                                               "copies of the batch-expanded mask in forward and backward), "
+                                               "which is not modelled", "divides"))
         scope = {key: value for key, value in node.attrs if key not in OWN_ATTRS}
         with sub.scope(**scope, attention_kernel=kernel):
-            if with_mask:
+            if biased:
+                _biased(node, sub, ctx)
+            elif with_mask:
                 _masked(node, sub, ctx, kernel)
             else:
                 KERNELS[kernel](node, sub, ctx)
@@ -262,18 +277,36 @@ def _eager(node, g: Graph, ctx) -> None:
 
 
 def _math(node, g: Graph, ctx) -> None:
-    mask = None
-    if node.attr("bias_mask"):
-        # T5: transformers' create_position_bias_mask turns the position bias into SDPA's float
-        # attn_mask (the input after v; any mask after it is the eager one, unused), kept by
-        # sdpa_attention_forward until it returns; autocast casts it at SDPA's entry
-        pre = _prefix(node)
-        mask = g.add("bias_mask", node.inputs[3], mode=node.attr("bias_mask"), name=pre + "bias_mask")
-        g.hold(mask, until=node.attr("returns_after", node.name))
-        mask = g.add("autocast_copy", mask, aten="scaled_dot_product_attention", name=pre + "mask_cast")
-        g.hold(mask, until=node.name)
+    mask = _bias_mask(node, g) if node.attr("bias_mask") else None
     with g.scope(autocast=False):      # autocast casts at scaled_dot_product_attention's entry
         _math_ops(node, g, ctx, mask)
+
+
+def _bias_mask(node, g: Graph) -> str:
+    """T5: transformers' ``create_position_bias_mask`` turns the position bias (the input after
+    v; any mask after it is the eager one, unused) into SDPA's float attn_mask, kept by
+    ``sdpa_attention_forward`` until it returns; autocast casts it at SDPA's entry."""
+    pre = _prefix(node)
+    mask = g.add("bias_mask", node.inputs[3], mode=node.attr("bias_mask"), name=pre + "bias_mask")
+    g.hold(mask, until=node.attr("returns_after", node.name))
+    mask = g.add("autocast_copy", mask, aten="scaled_dot_product_attention", name=pre + "mask_cast")
+    g.hold(mask, until=node.name)
+    return mask
+
+
+def _biased(node, g: Graph, ctx) -> None:
+    """T5's SDPA on CUDA: the mem-efficient kernel with the position bias as its ``attn_bias``
+    (derived from PyTorch 2.13's ``attention.cpp`` and ``attention_backward.cu``, not
+    measured). ``preprocess_mask`` expands the (1, a, s_q, s_k) mask to the batch (a view:
+    ``sdpa_bias_expand``); the kernel saves that view; its backward allocates the bias's
+    gradient at the expanded size (``_efficient_attention_backward``: (b, a, s_q, s_k), its
+    last dimension rounded up to 16, which the pass requires of s_k), which ExpandBackward
+    sums over the batch."""
+    q, k, v = node.inputs[:3]
+    mask = _bias_mask(node, g)
+    mask = g.add("sdpa_bias_expand", mask, q, k, name=_prefix(node) + "mask_expanded")
+    g.add("sdpa_kernel", q, k, v, mask, kernel="mem-efficient", dropout=node.attr("dropout", 0.0),
+          aligned=True, name=node.name)
 
 
 def _math_ops(node, g: Graph, ctx, attn_mask=None) -> None:

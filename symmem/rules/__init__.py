@@ -80,7 +80,7 @@ from .embeddings import (causal_mask_rule, cumsum_positions_rule, embedding_rule
 from .fp8 import linear_fp8_rule
 from .linalg import linear_rule, matmul_rule
 from .losses import nll_loss_rule
-from .masks import mask_expand_rule, sdpa_bool_mask_rule, window_mask_rule  # noqa: F401
+from .masks import mask_expand_rule, sdpa_bias_expand_rule, sdpa_bool_mask_rule, window_mask_rule  # noqa: F401
 from .moe import (div_inplace_rule, gather_rows_rule, grouped_mm_rule, index_tensor_rule, reshape_rule,
                   sum_last_rule, sum_topk_rule, topk_indices_rule, topk_rule)
 from .normalization import layer_norm_rule, log_softmax_rule, rms_norm_rule, softmax_rule

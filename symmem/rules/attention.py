@@ -96,7 +96,9 @@ def sdpa_kernel_rule(node, ins, ctx):
     A fourth input is a float ``attn_mask`` (a sliding window's, converted by SDPA:
     :mod:`symmem.rules.masks`): CPU flash saves it; CUDA's mem-efficient kernel saves it as
     ``attn_bias``, its last dimension padded to a multiple of 16 (``preprocess_mask`` in
-    ``attention.cpp``; derived, not measured)."""
+    ``attention.cpp``; derived, not measured), unless attribute ``aligned`` says the pass
+    requires 16 | s_k. A mask that requires grad (T5's position bias) gets a gradient of its
+    (b, a, s_q, s_k) shape from the kernel (``_efficient_attention_backward``'s ``grad_bias``)."""
     q, k, v = _qkv(node, ins)
     kernel = node.attr("kernel")
     bb, aa, ss, dd = q.shape
@@ -118,7 +120,7 @@ def sdpa_kernel_rule(node, ins, ctx):
     fwd_temp = sp.Integer(0)
     if len(ins) > 3:                      # a float attn_mask (b, 1, s, s_k): kept for backward
         m = ins[3]
-        if kernel != "mem-efficient":
+        if kernel != "mem-efficient" or node.attr("aligned"):   # aligned: 16 | s_k, required
             saved.append(Saved("attention mask", "in3"))
         else:
             # preprocess_mask: a last dimension not a multiple of 16 is padded (pad_bias: a new

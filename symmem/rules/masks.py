@@ -13,7 +13,7 @@ import sympy as sp
 
 from .core import BOOL, Footprint, TensorInfo, rule
 
-__all__ = ["window_mask_rule", "mask_expand_rule", "sdpa_bool_mask_rule"]
+__all__ = ["window_mask_rule", "mask_expand_rule", "sdpa_bool_mask_rule", "sdpa_bias_expand_rule"]
 
 
 @rule("window_mask")
@@ -41,6 +41,19 @@ def mask_expand_rule(node, ins, ctx):
     mask, ids = ins
     out = TensorInfo((ids.shape[0],) + tuple(mask.shape[1:]), mask.dtype, False, False)
     return Footprint(out, alias=0, grads=(None, None))
+
+
+@rule("sdpa_bias_expand")
+def sdpa_bias_expand_rule(node, ins, ctx):
+    """``preprocess_mask``'s ``mask.expand(b, a, s_q, s_k)`` (PyTorch's ``attention.cpp``,
+    before the CUDA mem-efficient kernel) of a float (1, a, s_q, s_k) mask: a view, nothing
+    allocated. Backward (ExpandBackward0): the gradient summed over the batch, a new
+    (1, a, s_q, s_k) tensor; at b = 1 the gradient itself. Inputs: the mask, the query
+    (b, a, s_q, d) and the key (b, a, s_k, d)."""
+    mask, q, key = ins
+    out = TensorInfo((q.shape[0], mask.shape[1], q.shape[2], key.shape[2]), mask.dtype, False, mask.requires_grad)
+    return Footprint(out, alias=0, grads=(("pass" if ctx.batch_view(q) else "new") if mask.requires_grad else None,
+                                          None, None))
 
 
 @rule("sdpa_bool_mask")
