@@ -52,3 +52,52 @@ def enable_checkpointing(model, **kwargs):
     if enable is not None:
         return enable(activation_checkpointing_kwargs=kwargs or None)
     return model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
+def saved_as_cuda_on_meta(model, call, kernel):
+    """The bytes autograd saves in ``call(model)`` (a training forward of a model built on
+    PyTorch's meta device: shapes and dtypes, no data) as CUDA runs it, each distinct storage
+    once, the model's weights and buffers excluded. What the CPU would do differently is put
+    as CUDA does it: ``F.scaled_dot_product_attention`` calls ``kernel``'s aten op (flash,
+    mem-efficient or cudnn; a float mask expanded to the batch first, as ``attention.cpp``'s
+    ``preprocess_mask`` does for mem-efficient), whose meta function and autograd formula are
+    PyTorch's own; ``F.dropout`` is ``native_dropout`` (a bool mask; on the CPU and meta devices
+    ``F.dropout`` saves a float one); transformers' check for packed sequences, which reads the
+    position ids' values, is skipped (no packing). The philox seed and offset of the
+    mem-efficient kernel are counted here (16 bytes a call) where CUDA keeps them on the host."""
+    import torch
+    import transformers.masking_utils as masking
+    f = torch.nn.functional
+    ops = torch.ops.aten
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if kernel == "flash" and attn_mask is None:
+            return ops._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        if kernel == "cudnn" and attn_mask is None:
+            return ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, dropout_p, is_causal, False,
+                                                           scale=scale)[0]
+        assert kernel == "mem-efficient", kernel
+        if attn_mask is not None:
+            attn_mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return ops._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal,
+                                                           scale=scale)[0]
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+    kept = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in kept:
+            seen[st._cdata] = st.nbytes()
+        return t
+    originals = f.scaled_dot_product_attention, f.dropout, masking.find_packed_sequence_indices
+    f.scaled_dot_product_attention, f.dropout = sdpa, dropout
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            call(model)
+    finally:
+        f.scaled_dot_product_attention, f.dropout, masking.find_packed_sequence_indices = originals
+    return sum(seen.values())

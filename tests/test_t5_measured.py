@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 import symmem as sm  # noqa: E402
 from symmem.errors import ConfigError, UnknownName  # noqa: E402
 from symmem.measure import param_bytes, saved_bytes, training_step  # noqa: E402
+from helpers import saved_as_cuda_on_meta  # noqa: E402
 from test_gpt2_measured import optimizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -263,48 +264,6 @@ def test_fused_kernels_and_float16_are_refused():
     assert "T5 clamps float16 hidden states" in str(e.value)
 
 
-def _saved_on_meta(cfg, b, s, s_d, precision):
-    """The bytes autograd saves in T5's training forward as CUDA runs it with SDPA, counted on
-    PyTorch's meta device (shapes and dtypes, no data): the model is transformers' own; SDPA is
-    dispatched as ``attention.cpp`` does it on CUDA with a float mask (``preprocess_mask``'s
-    expand to the batch, 16 | s_k, then ``_scaled_dot_product_efficient_attention``, whose meta
-    function and autograd formula are PyTorch's); dropout as CUDA runs it (``native_dropout``:
-    a bool mask; on the CPU and meta devices ``F.dropout`` saves a float one). Each distinct
-    storage once, the weights excluded."""
-    f = torch.nn.functional
-
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, dropout_p, False,
-                                                                      scale=scale)[0]
-
-    def dropout(x, p=0.5, training=True, inplace=False):
-        return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
-    with torch.device("meta"):
-        model = transformers.T5ForConditionalGeneration(cfg)
-    model.train()
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-    weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st._cdata not in weights:
-            seen[st._cdata] = st.nbytes()
-        return t
-    ids = torch.randint(0, cfg.vocab_size, (b, s), device="meta")
-    labels = torch.randint(0, cfg.vocab_size, (b, s_d), device="meta")
-    originals = f.scaled_dot_product_attention, f.dropout
-    f.scaled_dot_product_attention, f.dropout = sdpa, dropout
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, labels=labels)
-    finally:
-        f.scaled_dot_product_attention, f.dropout = originals
-    return sum(seen.values())
-
-
 @pytest.mark.parametrize("point,ff,precision", [
     ((2, 16, 32, 32, 64, 4, 8, 3, 2, 100), "relu", "bf16"),
     ((3, 32, 16, 48, 96, 6, 8, 2, 3, 80), "gated-gelu", "fp32"),
@@ -313,11 +272,11 @@ def _saved_on_meta(cfg, b, s, s_d, precision):
 def test_cuda_sdpa_saved_bytes_from_pytorch_meta(point, ff, precision):
     """On CUDA, T5's SDPA runs the mem-efficient kernel with the position bias as attn_bias
     (flash takes no mask), which needs its gradient. Its bytes saved for backward, derived
-    from PyTorch's sources, against the same forward counted on the meta device: equal but
-    for each attention call's 16 bytes of philox seed and offset, which the meta device keeps
-    with the rest and CUDA keeps on the host (``attention.cu``: ``at::scalar_tensor`` without a
-    device). 7 calls here for 3 encoder + 2 decoder layers (one self-attention in each encoder
-    layer, two attentions in each decoder layer)."""
+    from PyTorch's sources, against the same forward counted on the meta device
+    (:func:`helpers.saved_as_cuda_on_meta`): equal but for each attention call's 16 bytes of
+    philox seed and offset, which the meta device keeps with the rest and CUDA keeps on the
+    host (``attention.cu``: ``at::scalar_tensor`` without a device). L + 2 L_d calls: one
+    self-attention in each encoder layer, two attentions in each decoder layer."""
     b, s, s_d, h, f, a, d_kv, L, L_d, V = point
     cfg = transformers.T5Config(d_model=h, d_ff=f, num_heads=a, d_kv=d_kv, num_layers=L, num_decoder_layers=L_d,
                                 vocab_size=V, attn_implementation="sdpa", use_cache=False, decoder_start_token_id=0,
@@ -326,8 +285,15 @@ def test_cuda_sdpa_saved_bytes_from_pytorch_meta(point, ff, precision):
     assert est.kernels == ("mem-efficient",)
     if b == 1:
         est = est.at_one
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(cfg)
+    model.train()
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    ids, labels = (torch.randint(0, V, (b, n), device="meta") for n in (s, s_d))
+    measured = saved_as_cuda_on_meta(model, lambda m: m(input_ids=ids, labels=labels), "mem-efficient")
     calls = L + 2 * L_d
-    assert est.at(b=b, s=s, s_d=s_d).bytes["activations"] == _saved_on_meta(cfg, b, s, s_d, precision) - 16 * calls
+    assert est.at(b=b, s=s, s_d=s_d).bytes["activations"] == measured - 16 * calls
 
 
 def test_cuda_sdpa_bias_gradient():

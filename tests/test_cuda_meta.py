@@ -1,0 +1,74 @@
+"""The CUDA column's bytes saved for backward, against PyTorch's own meta functions.
+
+The suite's machine has no GPU, so each model is built by transformers on PyTorch's meta
+device and its training forward run as CUDA runs it (:func:`helpers.saved_as_cuda_on_meta`:
+SDPA's fused kernels through their aten ops, whose meta functions and autograd formulas are
+PyTorch's; dropout as ``native_dropout``). What autograd saves is then PyTorch's answer for
+CUDA, not a copy of symmem's derivation, and symmem's ``device="cuda"`` estimate must equal it:
+exactly for eager, flash and cuDNN, and less 16 bytes per mem-efficient call (its philox seed
+and offset are host tensors on CUDA, device tensors on meta). The peak cannot be measured so
+(the meta device allocates nothing); ``benchmarks/gpu_check.py`` measures it on a GPU.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import symmem as sm  # noqa: E402
+from helpers import saved_as_cuda_on_meta  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+B, S, V = 2, 16, 100
+COMMON = dict(num_hidden_layers=2, vocab_size=V, max_position_embeddings=32, use_cache=False)
+MODELS = {
+    "gpt2": lambda: (transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=V, n_positions=32,
+                                             use_cache=False), transformers.GPT2LMHeadModel),
+    # grouped-query attention (SDPA's enable_gqa), attention dropout
+    "llama": lambda: (transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                               num_key_value_heads=2, attention_dropout=0.1, **COMMON),
+                      transformers.LlamaForCausalLM),
+    "qwen2": lambda: (transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                               num_key_value_heads=2, **COMMON), transformers.Qwen2ForCausalLM),
+    # a quarter of each head rotated: a contiguous q, whose flash output is not sequence-major
+    "gpt_neox": lambda: (transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                                    rotary_pct=0.25, **COMMON), transformers.GPTNeoXForCausalLM),
+    "opt": lambda: (transformers.OPTConfig(hidden_size=64, ffn_dim=96, num_attention_heads=4, **COMMON),
+                    transformers.OPTForCausalLM),
+}
+
+CASES = [
+    # family, precision, attention (the kernel symmem derives for it on CUDA), recompute
+    ("gpt2", "fp32", "sdpa", "none"),          # mem-efficient (flash takes no float32)
+    ("gpt2", "bf16", "sdpa", "none"),          # flash
+    ("gpt2", "fp32", "eager", "none"),         # dropout's bool mask, CUDA's
+    ("llama", "bf16", "sdpa", "none"),
+    ("llama", "fp32", "sdpa", "none"),
+    ("llama", "bf16", "cudnn", "none"),        # what H100s with a recent cuDNN pick first
+    ("llama", "bf16", "sdpa", "full"),         # transformers' activation checkpointing
+    ("qwen2", "bf16", "sdpa", "none"),
+    ("gpt_neox", "bf16", "sdpa", "none"),
+    ("gpt_neox", "fp32", "eager", "none"),
+    ("opt", "fp32", "sdpa", "none"),
+    ("opt", "bf16", "eager", "none"),
+]
+
+
+@pytest.mark.parametrize("family,precision,attention,recompute", CASES, ids=["-".join(c) for c in CASES])
+def test_cuda_saved_bytes_equal_pytorch_meta(family, precision, attention, recompute):
+    cfg, cls = MODELS[family]()
+    cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
+    est = sm.estimate(sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation}),
+                      sm.Policy(precision, "adamw", "cuda", attention=attention, recompute=recompute))
+    (kernel,) = est.kernels
+    with torch.device("meta"):
+        model = cls(cfg)
+    model.train()
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    if recompute == "full":
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    ids = torch.randint(0, V, (B, S), device="meta")
+    measured = saved_as_cuda_on_meta(model, lambda m: m(ids, labels=ids), kernel)
+    host = 16 * cfg.num_hidden_layers if kernel == "mem-efficient" else 0
+    assert est.at(b=B, s=S).bytes["activations"] == measured - host
