@@ -35,6 +35,15 @@ MODELS = {
                                                     rotary_pct=0.25, **COMMON), transformers.GPTNeoXForCausalLM),
     "opt": lambda: (transformers.OPTConfig(hidden_size=64, ffn_dim=96, num_attention_heads=4, **COMMON),
                     transformers.OPTForCausalLM),
+    # a window beyond the sequence (SDPA: is_causal, no mask)
+    "mistral": lambda: (transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                                   num_key_value_heads=2, sliding_window=64, **COMMON),
+                        transformers.MistralForCausalLM),
+    # the experts through torch._grouped_mm; its meta function takes bfloat16 only (CUDA's own
+    # kernel falls back to a loop of mm for float32), so only bfloat16 models are run
+    "mixtral": lambda: (transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                                   num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                                   sliding_window=None, **COMMON), transformers.MixtralForCausalLM),
 }
 
 CASES = [
@@ -51,6 +60,9 @@ CASES = [
     ("gpt_neox", "fp32", "eager", "none"),
     ("opt", "fp32", "sdpa", "none"),
     ("opt", "bf16", "eager", "none"),
+    ("mistral", "fp32", "sdpa", "none"),
+    ("mixtral", "bf16", "sdpa", "none"),
+    ("mixtral", "bf16", "eager", "none"),
 ]
 
 
