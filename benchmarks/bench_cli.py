@@ -1,8 +1,10 @@
 """Time ``symmem estimate`` as a whole process, as a user waits for it: with the cache off
 (``SYMMEM_NO_CACHE=1``), cold (an empty cache directory: derive and store), warm estimate
 (the derived estimate there, the question new: another batch size each run, so the answer
-is computed from the stored formulas) and warm answer (the same question again: the stored
-answer printed, no sympy imported), beside ``python -c pass`` (the interpreter alone) and
+is computed from the stored formulas: from the question's kit, :mod:`symmem.kit`, without
+sympy), the same without kits (each removed before the run: sympy evaluates the stored
+estimate) and warm answer (the same question again: the stored answer printed, no sympy
+imported), beside ``python -c pass`` (the interpreter alone) and
 ``python -c "import symmem; symmem.models"`` (the library with sympy and the families). The processes write and read Python's bytecode
 (``__pycache__``), as an installed package does, whatever ``PYTHONDONTWRITEBYTECODE`` says.
 
@@ -55,13 +57,24 @@ def main(argv=None) -> int:
                 off = {**base, "SYMMEM_NO_CACHE": "1"}
                 cold = {**base, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": f"{tmp}/cold{run}"}
                 warm = {**base, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": f"{tmp}/warm"}
-                if run == 0:
-                    timed(SYMMEM + question, warm)           # fill the warm cache once
-                other = [*question[:question.index("--batch") + 1], str(100 + run),
-                         *question[question.index("--batch") + 2:]]
+                def batch(n):
+                    i = question.index("--batch") + 1
+                    return [*question[:i], str(n), *question[i + 1:]]
+                if run == 0:                                 # fill the warm cache once, a kit with it
+                    timed(SYMMEM + question, warm)
+                    timed(SYMMEM + batch(99), warm)
                 for label, env, cmd in (("no cache", off, question), ("cold cache", cold, question),
-                                        ("warm estimate", warm, other), ("warm answer", warm, question)):
+                                        ("warm estimate", warm, batch(100 + run)),
+                                        ("warm estimate without kits", warm, batch(200 + run)),
+                                        ("warm answer", warm, question)):
+                    if label.endswith("without kits"):
+                        kits = [(k, k.read_bytes()) for k in Path(warm["SYMMEM_CACHE_DIR"]).glob("answers/*.kit.json")]
+                        for k, _ in kits:
+                            k.unlink()
                     times.setdefault((name, label), []).append(timed(SYMMEM + cmd, env))
+                    if label.endswith("without kits"):
+                        for k, blob in kits:                 # put back for the next round
+                            k.write_bytes(blob)
     print(f"{'whole process':<48}{'median':>9}{'min':>9}   ({args.runs} runs; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end)")
     for (name, label), ts in times.items():

@@ -24,10 +24,11 @@ code and the libraries that compute it (sympy, numpy). For ``estimate``, ``infer
 the printed answer is stored too, keyed by the arguments as typed, symmem's version and
 source bytes and the installed sympy's and numpy's files; :func:`replay` prints a stored
 answer without importing sympy, the engine or a model family (``python -m symmem`` asks it
-first). A question asked another way (another batch, another spelling) is a miss there and
-reads the estimate entry instead: the derivation is skipped, the evaluation is not. Only a
-successful run with nothing on standard error is stored. An answer is plain text under a
-checksum, not a pickle.
+first). A question asked another way is a miss there; at another batch, sequence or number of
+tokens generated, ``estimate`` and ``infer`` answer from the table's kit (:mod:`symmem.kit`,
+beside the answers), without sympy either; otherwise the estimate entry is read: the
+derivation is skipped, the evaluation is not. Only a successful run with nothing on standard
+error is stored. An answer is plain text under a checksum, not a pickle.
 """
 from __future__ import annotations
 
@@ -176,13 +177,14 @@ def store() -> None:
 
 
 def clear() -> int:
-    """Remove every entry of the cache, the stored answers with them; the number of derived
-    estimates removed (an answer is a copy of what a command printed from one)."""
+    """Remove every entry of the cache, the stored answers and kits with them; the number of
+    derived estimates removed (an answer is a copy of what a command printed from one)."""
     where = cache_dir()
     if where is None or not where.is_dir():
         return 0
-    for path in where.glob("answers/*.txt"):
-        path.unlink(missing_ok=True)
+    for pattern in ("answers/*.txt", "answers/*.kit.json"):
+        for path in where.glob(pattern):
+            path.unlink(missing_ok=True)
     gone = 0
     for path in where.glob("*.pickle"):
         path.unlink(missing_ok=True)

@@ -21,7 +21,8 @@ import sympy as sp
 
 from . import __version__, models
 from .printing import format_bytes
-from . import cache
+from . import cache, kit, symbols
+from .kit import WIDTH, wrap
 from .cache import cached_estimate
 from .engine import COMPONENTS, canonical
 from .errors import ConfigError, SymmemError
@@ -35,7 +36,6 @@ from .plan import ROLES
 __all__ = ["main", "build_parser"]
 
 FORMATS = ("table", "json", "latex")
-WIDTH = 88
 
 SWEEP_EPILOG = """\
 examples:
@@ -368,7 +368,9 @@ def _negative_values(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (argparse exits 2 itself on bad usage)."""
-    args = build_parser().parse_args(_negative_values(sys.argv[1:] if argv is None else list(argv)))
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(_negative_values(raw))
+    args.argv = raw                  # what a kit of this question is kept under (symmem.kit)
     try:
         status = args.func(args)
         cache.store()
@@ -538,13 +540,13 @@ def cmd_estimate(args) -> int:
     elif args.format == "latex":
         print(render_latex(args, policy, r))
     else:
-        print(render_table(args, policy, r))
+        view = table_view(args, policy, r)
+        print(kit.render(view))
+        if cache.cache_dir() is not None:
+            built = table_kit(args, view, r, kit.load(args.argv))
+            if built is not None:
+                kit.save(args.argv, built)
     return 0
-
-
-def _wrap(text: str, indent: str = "  ") -> str:
-    return textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
-                         break_on_hyphens=False)
 
 
 def _policy_line(est) -> str:
@@ -552,7 +554,9 @@ def _policy_line(est) -> str:
     return textwrap.fill(f"policy: {est.describe()}", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
 
 
-def render_table(args, policy: Policy, r: dict) -> str:
+def table_view(args, policy: Policy, r: dict) -> dict:
+    """What the table shows, as plain data: the lines that do not depend on the values
+    (kept in a :mod:`symmem.kit`) and the values' bytes, roles and formulas."""
     est, ev, j = r["est"], r["ev"], r["json"]
     source = f"config {args.config}" if args.config else "preset"
     if j["inputs"].get("tie") is not None:          # what --tie/--no-tie and --share changed
@@ -562,60 +566,65 @@ def render_table(args, policy: Policy, r: dict) -> str:
     degrees = {sym.name for sym in DEGREES.values() if sym is not None}   # the policy line names the layout
     dims = ", ".join(f"{k} = {v:,}" if isinstance(v, int) else f"{k} = {v}"
                      for k, v in j["bindings"].items() if not k.startswith("B_") and k not in degrees)
-    tokens = f", new tokens n_g = {args.new_tokens:,}" if policy.mode == "inference" else ""
-    tokens += "".join(f", decoder seq s_d = {v:,}" for v in _decoder(args).values())
-    out = [f"symmem {'infer' if policy.mode == 'inference' else 'estimate'}: {est.graph.name} ({source}), {j['parameters']:,} parameters",
-           _policy_line(est),
-           textwrap.fill(f"inputs: batch b = {args.batch:,}"
-                         f"{'' if args.seq is None else f', seq s = {args.seq:,}'}{tokens}; model {dims}", WIDTH,
-                         subsequent_indent="  "),
-           ""]
-    if policy.micro_batches > 1:
-        out.insert(-1, f"  {policy.micro_batches} micro-batches of b = {args.batch:,}: {j['batch_per_step']:,} "
-                       f"sequences per optimizer step")
-    w = 34
-    if "ranks" in j:
-        out += [f"{'pipeline stage':<{w}}{'params':>14}{'activations':>14}{'peak':>14}  peak during",
-                *(f"{str(x['stage']) + (' (most loaded)' if x['stage'] == j['most_loaded'] else ''):<{w}}"
-                  f"{format_bytes(x['bytes']['params']):>14}{format_bytes(x['bytes']['activations']):>14}"
-                  f"{format_bytes(x['bytes']['peak']):>14}  {x['peak_where'].split(': ', 1)[1]}"
-                  for x in j["ranks"]),
-                "", f"the most loaded stage, {j['most_loaded']}:"]
-    # the columns as wide as their widest value (at least as before), so they never touch
-    values = [*ev.bytes.values(), *ev.peak_parts.values()]
-    wb = max(18, max(len(f"{v:,}") for v in values) + 2)
-    ws = max(14, max(len(format_bytes(v)) for v in values) + 2)
-    out.append(f"{'component':<{w}}{'bytes':>{wb}}{'size':>{ws}}")
     inference = policy.mode == "inference"
-    for k in COMPONENTS + (("cache",) if inference else ()):
-        v = ev.bytes[k]
-        if k in ("master", "buffers") and not v or inference and k in ("grads", "master", "optimizer", "activations"):
-            continue
-        label = "activations (saved for backward)" if k == "activations" else k
-        out.append(f"{label:<{w}}{v:>{wb},}{format_bytes(v):>{ws}}")
-    out += ["", f"at the peak: {ev.peak_point.where}",
-            f"{'role':<{w}}{'bytes':>{wb}}{'size':>{ws}}{'% of total':>12}"]
-    for role in ROLES:
-        v = ev.peak_parts[role]
-        if not v and (role in ("master", "buffers", "cache") and not ev.bytes.get(role)
-                      or inference and role in ("grads", "master", "optimizer", "activations")):
-            continue
-        out.append(f"{role:<{w}}{v:>{wb},}{format_bytes(v):>{ws}}{100 * v / ev.peak:>11.1f}%")
-    out.append(f"{'peak':<{w}}{ev.peak:>{wb},}{format_bytes(ev.peak):>{ws}}{100.0:>11.1f}%")
-    if "host" in ev.bytes:          # offloaded: on the host, not in the device's peak
-        out.append(f"{'host (offloaded, not in the peak)':<{w}}{ev.bytes['host']:>{wb},}"
-                   f"{format_bytes(ev.bytes['host']):>{ws}}")
-    bound = canonical(r["active"].xreplace(est.bindings))
-    n = len(est.candidates)
-    out += ["", f"peak formula (the largest at these inputs of the {n} candidates whose max is the peak):",
-            _wrap(str(r["active"])),
-            "with this model's numbers and the policy's bytes per element:",
-            _wrap(f"{bound}"),
-            f"(all {n} candidates: --format json or --format latex)", "",
-            *([f"where each candidate is the peak (b up to 65,536{', s up to s_max' if r['regions'][0].s else ''}, "
-               "a log grid):"] if r["regions"] else [])]
-    out += [_wrap(str(reg)) for reg in r["regions"]]
-    return "\n".join(out)
+    w = 34
+    ranks = []
+    if "ranks" in j:
+        ranks = [f"{'pipeline stage':<{w}}{'params':>14}{'activations':>14}{'peak':>14}  peak during",
+                 *(f"{str(x['stage']) + (' (most loaded)' if x['stage'] == j['most_loaded'] else ''):<{w}}"
+                   f"{format_bytes(x['bytes']['params']):>14}{format_bytes(x['bytes']['activations']):>14}"
+                   f"{format_bytes(x['bytes']['peak']):>14}  {x['peak_where'].split(': ', 1)[1]}"
+                   for x in j["ranks"]),
+                 "", f"the most loaded stage, {j['most_loaded']}:"]
+    regions = r["regions"]
+    head = [f"where each candidate is the peak (b up to 65,536{', s up to s_max' if regions[0].s else ''}, "
+            "a log grid):"] if regions else []
+    values = {"b": args.batch, **({} if args.seq is None else {"s": args.seq}),
+              **({"n_g": args.new_tokens} if inference else {})}
+    return {
+        "title": f"symmem {'infer' if inference else 'estimate'}: {est.graph.name} ({source}), "
+                 f"{j['parameters']:,} parameters",
+        "policy": _policy_line(est), "dims": dims, "decoder": list(_decoder(args).values()),
+        "micro_batches": policy.micro_batches, "inference": inference,
+        "components": [*COMPONENTS, *(("cache",) if inference else ())], "roles": list(ROLES),
+        "candidates": len(est.candidates), "regions": head + [wrap(str(reg)) for reg in regions],
+        "ranks_lines": ranks, "values": values, "bytes": dict(ev.bytes), "parts": dict(ev.peak_parts),
+        "where": ev.peak_point.where, "active": str(r["active"]),
+        "bound": str(canonical(r["active"].xreplace(est.bindings))),
+    }
+
+
+def table_kit(args, view: dict, r: dict, old: dict | None = None) -> dict | None:
+    """The :mod:`symmem.kit` of this table (``old``, the one kept so far, with this answer's
+    candidate added): its static lines; the components, the requirements and every candidate
+    of the peak as formulas in the free values (:func:`symmem.kit.tree`); and, for the
+    candidates that were the peak of a question so far, what the table prints of them (their
+    roles, where, their formula: sympy prints it, so each is added when first needed). None
+    where a kit does not answer (a pipeline's stages, b = 1, a factor a tree cannot hold)."""
+    est, ev = r["est"], r["ev"]
+    if est.ranks or args.batch == 1 or view["ranks_lines"]:
+        return None
+    free = set(view["values"])
+    compiled = est.compiled(free={symbols.symbol(k) for k in free})
+    i = next(j for j, p in enumerate(est.points) if p is ev.peak_point)
+    if old is None or old.get("free") != sorted(free) or len(old.get("totals", ())) != len(est.points):
+        bindings = compiled.bindings
+        reqs = []
+        for req in est.requirements:
+            sides = [kit.tree(sp.expand(sp.sympify(x).xreplace(bindings))) for x in (req.lhs, req.rhs)]
+            if req.kind not in ("at most", "divides") or None in sides:
+                return None
+            reqs.append([req.kind, *sides])
+        static = {k: v for k, v in view.items() if k not in ("values", "bytes", "parts", "where", "active", "bound")}
+        old = {"free": sorted(free), "fixed": _decoder(args), "view": static, "requirements": reqs,
+               "components": {k: kit.tree(f.expr) for k, f in compiled.components.items()},
+               "totals": [kit.tree(f.expr) for f in compiled.totals], "details": {}}
+    parts = {role: kit.tree(f.expr) for role, f in compiled.parts(i)}
+    if None in (*old["components"].values(), *old["totals"], *parts.values()) or set(parts) != set(ROLES):
+        return None
+    old["details"][str(i)] = {"parts": parts, "where": ev.peak_point.where, "active": view["active"],
+                              "bound": view["bound"]}
+    return old
 
 
 def _parameters(est) -> int:
@@ -766,7 +775,7 @@ def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
            f"budget: {bud.label}", "",
            str(sol), "", f"breakdown at {symbol} = {sol.value:,}:", sol.at_value.table()]
     if sol.boundary_numeric is not None:
-        out.insert(-3, _wrap(f"with this model's numbers: {symbol} = {sol.boundary_numeric}"))
+        out.insert(-3, wrap(f"with this model's numbers: {symbol} = {sol.boundary_numeric}"))
     print("\n".join(out))
     return 0
 

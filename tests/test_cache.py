@@ -168,10 +168,12 @@ def test_an_answer_is_replayed_without_sympy(on):
     warm = _run(QUESTION, env, probe=True)
     assert warm.returncode == 0 and warm.stdout.endswith("NO SYMPY\n")
     assert warm.stdout[:-len("NO SYMPY\n")] == cold.stdout[:-len("SYMPY\n")]
-    # another batch: a miss of the answers, a hit of the estimate (one pickle still)
-    other = _run(QUESTION[:4] + ["8"] + QUESTION[5:], env)
-    assert other.returncode == 0 and other.stdout != warm.stdout
-    assert len(list(on.glob("*.pickle"))) == 1 and len(list(on.glob("answers/*.txt"))) == 2
+    # another batch: a miss of the answers, answered from the question's kit (symmem.kit,
+    # tests/test_kit.py); another sequence too, where the same candidate is the peak
+    other = _run(QUESTION[:4] + ["8"] + QUESTION[5:], env, probe=True)
+    assert other.returncode == 0 and other.stdout != warm.stdout and other.stdout.endswith("NO SYMPY\n")
+    assert len(list(on.glob("*.pickle"))) == 1 and len(list(on.glob("answers/*.txt"))) == 1
+    assert len(list(on.glob("answers/*.kit.json"))) == 1
 
 
 def test_a_damaged_answer_is_not_trusted(on):
@@ -182,7 +184,11 @@ def test_a_damaged_answer_is_not_trusted(on):
     blob[-5] ^= 0x01                       # one character of the stored answer changed
     path.write_bytes(bytes(blob))
     again = _run(QUESTION, env, probe=True)
-    assert again.stdout == good + "SYMPY\n"          # derived (read the estimate) again
+    assert again.stdout == good + "NO SYMPY\n"       # not the damaged text: the question's kit's
+    for kept in on.glob("answers/*.kit.json"):
+        kept.unlink()
+    again = _run(QUESTION, env, probe=True)
+    assert again.stdout == good + "SYMPY\n"          # without the kit: derived (read the estimate)
     assert _run(QUESTION, env).stdout == good         # and stored afresh
 
 

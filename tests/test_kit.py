@@ -1,0 +1,97 @@
+"""symmem.kit: a table asked again at other values, answered from the kit the first answer
+kept, without sympy, and printed exactly as the sympy path prints it."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from symmem import kit
+from symmem.__main__ import main
+
+# (the first question, then other values; each list of argv tokens after the values)
+QUESTIONS = [
+    # fp32 on CUDA: SDPA's mem-efficient kernel, its log-sum-exp rounded up to 32 rows (a ceiling of s)
+    (["estimate", "--model", "llama-2-7b"], [(8, 2048), (4, 1000), (64, 4096), (2, 100_000)]),
+    # bf16 autocast: flash, its backward's rounding to 128 rows
+    (["estimate", "--model", "gpt2", "--precision", "bf16-mixed", "--recompute", "full"], [(4, 512), (32, 1024)]),
+    # two sequence lengths and a Max among the candidates (T5's causal bias mask)
+    (["estimate", "--model", "t5-small", "--decoder-seq", "64", "--precision", "fp32"], [(8, 512), (2, 64)]),
+    (["estimate", "--model", "mixtral-8x7b", "--precision", "bf16"], [(1 + 1, 4096), (16, 512)]),
+    (["infer", "--model", "llama-3-8b", "--precision", "bf16", "--new-tokens", "256"], [(8, 4096), (64, 128)]),
+]
+
+
+def _argv(head, b, s):
+    return [*head, "--batch", str(b), "--seq", str(s)]
+
+
+def _sympy_path(argv, capsys, monkeypatch):
+    monkeypatch.setenv("SYMMEM_NO_CACHE", "1")
+    assert main(argv) == 0
+    monkeypatch.setenv("SYMMEM_NO_CACHE", "0")
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("head,points", QUESTIONS, ids=[" ".join(q[0][:3]) for q in QUESTIONS])
+def test_a_kit_prints_what_sympy_prints(head, points, tmp_path, monkeypatch, capsys):
+    """The first question keeps a kit; each later one is answered from it (the sympy path when
+    its peak is a candidate no question had yet, which adds it), and every answer equals the
+    sympy path's at the same values, byte for byte."""
+    monkeypatch.setenv("SYMMEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SYMMEM_NO_CACHE", "0")
+    first = _argv(head, *points[0])
+    assert main(first) == 0
+    capsys.readouterr()
+    assert kit.load(first) is not None
+    for b, s in points[1:] * 2:             # twice: the second time every peak is kept
+        argv = _argv(head, b, s)
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert out == _sympy_path(argv, capsys, monkeypatch), (b, s)
+    for b, s in points[1:]:                 # now from the kit alone
+        view = kit.evaluate(kit.load(first), {"b": b, "s": s, **({"n_g": 256} if head[0] == "infer" else {})})
+        assert view is not None and kit.render(view) + "\n" == _sympy_path(_argv(head, b, s), capsys, monkeypatch)
+
+
+def _probe(argv, env):
+    code = ("import sys; from symmem.__main__ import main; rc = main(sys.argv[1:]); "
+            "print('SYMPY' if 'sympy' in sys.modules else 'NO SYMPY'); sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env)
+
+
+def test_a_kit_answers_without_sympy(tmp_path):
+    """Another batch and sequence of a question asked before: no sympy imported."""
+    env = {**os.environ, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": str(tmp_path)}
+    head = ["estimate", "--model", "llama-2-7b", "--precision", "bf16-mixed"]
+    assert _probe(_argv(head, 8, 2048), env).stdout.endswith("\nSYMPY\n")
+    again = _probe(_argv(head, 16, 2048), env)      # the same candidate binds: from the kit
+    assert again.returncode == 0 and again.stdout.endswith("NO SYMPY\n") and "b = 16" in again.stdout
+
+
+def test_what_a_kit_leaves_to_sympy(tmp_path, monkeypatch, capsys):
+    """b = 1 (derived apart) and values that break a requirement (a sequence past GPT-2's 1,024
+    positions) are not answered from the kit: the sympy path prints the answer or the error."""
+    monkeypatch.setenv("SYMMEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SYMMEM_NO_CACHE", "0")
+    head = ["estimate", "--model", "gpt2"]
+    assert main(_argv(head, 4, 512)) == 0
+    k = kit.load(_argv(head, 4, 512))
+    assert kit.evaluate(k, {"b": 1, "s": 512}) is None
+    assert kit.evaluate(k, {"b": 4, "s": 2048}) is None
+    capsys.readouterr()
+    assert main(_argv(head, 4, 2048)) == 1
+    assert "s = 2048 is not valid" in capsys.readouterr().err
+
+
+def test_the_template():
+    """The free values come out of the key in either spelling; a value given twice, missing or
+    not a positive integer leaves the question to the sympy path (which names the error)."""
+    key, values = kit.template(["estimate", "--model", "gpt2", "--batch", "8", "--seq=1024"])
+    assert values == {"b": 8, "s": 1024}
+    assert kit.template(["estimate", "--model", "gpt2", "--batch=2", "--seq", "64"])[0] == key
+    assert kit.template(["estimate", "--model", "gpt2", "--batch", "8", "--seq", "1024", "--precision", "bf16"])[0] != key
+    for argv in (["estimate", "--model", "gpt2", "--batch", "8", "--batch", "4"],
+                 ["estimate", "--model", "gpt2", "--batch", "0"], ["estimate", "--model", "gpt2", "--batch", "-8"],
+                 ["estimate", "--model", "gpt2", "--batch"], ["max-batch", "--model", "gpt2"], []):
+        assert kit.template(argv) is None, argv
