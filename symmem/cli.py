@@ -607,18 +607,20 @@ def table_kit(args, view: dict, r: dict, old: dict | None = None) -> dict | None
     free = set(view["values"])
     compiled = est.compiled(free={symbols.symbol(k) for k in free})
     i = next(j for j, p in enumerate(est.points) if p is ev.peak_point)
-    if old is None or old.get("free") != sorted(free) or len(old.get("totals", ())) != len(est.points):
-        bindings = compiled.bindings
-        reqs = []
-        for req in est.requirements:
-            sides = [kit.tree(sp.expand(sp.sympify(x).xreplace(bindings))) for x in (req.lhs, req.rhs)]
-            if req.kind not in ("at most", "divides") or None in sides:
-                return None
-            reqs.append([req.kind, *sides])
-        static = {k: v for k, v in view.items() if k not in ("values", "bytes", "parts", "where", "active", "bound")}
-        old = {"free": sorted(free), "fixed": _decoder(args), "view": static, "requirements": reqs,
-               "components": {k: kit.tree(f.expr) for k, f in compiled.components.items()},
-               "totals": [kit.tree(f.expr) for f in compiled.totals], "details": {}}
+    reqs = []
+    for req in est.requirements:
+        sides = [kit.tree(sp.expand(sp.sympify(x).xreplace(compiled.bindings))) for x in (req.lhs, req.rhs)]
+        if req.kind not in ("at most", "divides") or None in sides:
+            return None
+        reqs.append([req.kind, *sides])
+    static = {k: v for k, v in view.items() if k not in ("values", "bytes", "parts", "where", "active", "bound")}
+    new = {"free": sorted(free), "fixed": _decoder(args), "view": static, "requirements": reqs,
+           "components": {k: kit.tree(f.expr) for k, f in compiled.components.items()},
+           "totals": [kit.tree(f.expr) for f in compiled.totals], "details": {}}
+    # the lines kept so far belong to the same formulas (another region of a sliding window's
+    # model, asked under the same key, starts afresh)
+    if old is None or any(old.get(k) != new[k] for k in new if k != "details"):
+        old = new
     parts = {role: kit.tree(f.expr) for role, f in compiled.parts(i)}
     if None in (*old["components"].values(), *old["totals"], *parts.values()) or set(parts) != set(ROLES):
         return None

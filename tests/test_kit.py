@@ -95,3 +95,16 @@ def test_the_template():
                  ["estimate", "--model", "gpt2", "--batch", "0"], ["estimate", "--model", "gpt2", "--batch", "-8"],
                  ["estimate", "--model", "gpt2", "--batch"], ["max-batch", "--model", "gpt2"], []):
         assert kit.template(argv) is None, argv
+
+
+def test_a_window_s_two_regions_share_a_key(tmp_path, monkeypatch, capsys):
+    """Mistral 7B v0.1 under SDPA: below its window of 4,096 and from it on the formulas differ
+    (transformers passes SDPA the window's mask), under the same kit key; each region's
+    questions print what the sympy path prints, whichever region the kit was kept for."""
+    monkeypatch.setenv("SYMMEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SYMMEM_NO_CACHE", "0")
+    head = ["estimate", "--model", "mistral-7b", "--precision", "bf16-mixed"]
+    for b, s in [(4, 2048), (4, 8192), (8, 8192), (8, 2048), (4, 2048), (4, 8192)]:
+        assert main(_argv(head, b, s)) == 0
+        out = capsys.readouterr().out
+        assert out == _sympy_path(_argv(head, b, s), capsys, monkeypatch), (b, s)
