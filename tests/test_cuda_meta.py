@@ -46,6 +46,10 @@ MODELS = {
                                                    sliding_window=None, **COMMON), transformers.MixtralForCausalLM),
 }
 
+#: ViT: (b, 3, 32, 32) images in 8 x 8 patches, a class token, 10 classes
+VIT = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2, image_size=32,
+           patch_size=8, num_labels=10)
+
 CASES = [
     # family, precision, attention (the kernel symmem derives for it on CUDA), recompute
     ("gpt2", "fp32", "sdpa", "none"),          # mem-efficient (flash takes no float32)
@@ -63,12 +67,18 @@ CASES = [
     ("mistral", "fp32", "sdpa", "none"),
     ("mixtral", "bf16", "sdpa", "none"),
     ("mixtral", "bf16", "eager", "none"),
+    ("vit", "fp32", "sdpa", "none"),
+    ("vit", "bf16", "sdpa", "none"),
+    ("vit", "bf16", "eager", "none"),
 ]
 
 
 @pytest.mark.parametrize("family,precision,attention,recompute", CASES, ids=["-".join(c) for c in CASES])
 def test_cuda_saved_bytes_equal_pytorch_meta(family, precision, attention, recompute):
-    cfg, cls = MODELS[family]()
+    if family == "vit":
+        cfg, cls = transformers.ViTConfig(**VIT), transformers.ViTForImageClassification
+    else:
+        cfg, cls = MODELS[family]()
     cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
     est = sm.estimate(sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation}),
                       sm.Policy(precision, "adamw", "cuda", attention=attention, recompute=recompute))
@@ -80,7 +90,14 @@ def test_cuda_saved_bytes_equal_pytorch_meta(family, precision, attention, recom
         model.to(torch.bfloat16)
     if recompute == "full":
         model.activation_checkpointing_enable({"use_reentrant": False})
+    host = 16 * cfg.num_hidden_layers if kernel == "mem-efficient" else 0
+    if family == "vit":
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        pixels = torch.randn(B, 3, 32, 32, device="meta", dtype=dtype)
+        labels = torch.randint(0, 10, (B,), device="meta")
+        measured = saved_as_cuda_on_meta(model, lambda m: m(pixel_values=pixels, labels=labels), kernel)
+        assert est.at(b=B).bytes["activations"] == measured - host
+        return
     ids = torch.randint(0, V, (B, S), device="meta")
     measured = saved_as_cuda_on_meta(model, lambda m: m(ids, labels=ids), kernel)
-    host = 16 * cfg.num_hidden_layers if kernel == "mem-efficient" else 0
     assert est.at(b=B, s=S).bytes["activations"] == measured - host
