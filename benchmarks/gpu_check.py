@@ -15,7 +15,9 @@ the peak of live storages that ``symmem.measure`` tracks (symmem's own count, wh
 to the byte) and ``torch.cuda.max_memory_allocated`` (which adds the caching allocator's
 rounding of each block to 512 bytes and cuBLAS's workspaces, which symmem does not model; its
 difference is reported, not judged). SDPA's kernel is the one PyTorch picks on this GPU, read
-off the autograd node of the model's own call, and named to symmem.
+off the autograd node of the model's own call, and named to symmem. Then text generation
+(GPT-2 and the 1.1B Llama; dynamic, static and fp8 KV caches): the prefill's and the decoding
+step's peaks and the cache (``symmem.measure.generation``) beside symmem's inference estimate.
 
 Exit status 1 when symmem and the tracked step differ on a case. About 3 minutes on an H100.
 """
@@ -35,7 +37,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import symmem as sm  # noqa: E402
-from symmem.measure import saved_bytes, training_step  # noqa: E402
+from symmem.measure import generation, saved_bytes, training_step  # noqa: E402
 
 warnings.filterwarnings("ignore")
 transformers.logging.set_verbosity_error()
@@ -89,6 +91,16 @@ CASES = [
     ("t5-base", "sdpa", "bf16", "foreach", "none"),
     ("t5-base", "sdpa", "fp32", "for-loop", "full"),
     ("t5-base", "eager", "bf16-mixed", "fused", "none"),
+]
+
+#: generation: model, attention, precision, KV cache (transformers' DynamicCache, StaticCache
+#: of s + n_g positions, QuantizedCache in fp8), the new tokens n_g; the prompt is the model's s
+INFERENCE_CASES = [
+    ("gpt2", "sdpa", "bf16-mixed", "dynamic", 8),
+    ("llama-1.1b", "sdpa", "bf16", "dynamic", 8),
+    ("llama-1.1b", "eager", "bf16", "static", 8),
+    ("llama-1.1b", "sdpa", "bf16", "fp8", 8),
+    ("llama-1.1b", "sdpa", "fp32", "dynamic", 8),
 ]
 
 BACKENDS = {"ScaledDotProductFlashAttentionBackward0": "flash",
@@ -164,6 +176,29 @@ def run(case, size, device):
             "max_memory_allocated": report.cuda_max_allocated, "where": ev.peak_point.where}
 
 
+def run_inference(case, size, device):
+    """One generation case: the prefill of a (b, s) prompt and the decoding step that brings the
+    cache to s + n_g positions (symmem.measure.generation), beside symmem's inference estimate."""
+    name, attention, precision, cache, n_g = case
+    cfg, model, b, s = build(name, size, attention, "bf16" if precision == "bf16" else "fp32", "none", device)
+    model.eval()
+    ids = torch.randint(0, cfg.vocab_size, (b, s), device=device)
+    prefill, decode, cached = generation(model, ids, n_g, cache=cache, max_cache_len=s + n_g if cache == "static" else None,
+                                         autocast=torch.bfloat16 if precision == "bf16-mixed" else None)
+    graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": attention})
+    est = sm.estimate(graph, sm.Policy(precision, device=device, mode="inference", cache=cache, attention=attention))
+    ev = est.at(b=b, s=s, n_g=n_g)
+    subs = est._subs({"b": b, "s": s, "n_g": n_g})
+    predicted = {step: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == step)
+                 for step in ("prefill", "decode")}
+    return {"model": name, "b": b, "s": s, "n_g": n_g, "attention": attention, "precision": precision,
+            "cache": cache, "prefill_predicted": predicted["prefill"], "prefill_measured": prefill.peak,
+            "decode_predicted": predicted["decode"], "decode_measured": decode.peak,
+            "cache_predicted": ev.bytes["cache"], "cache_measured": cached,
+            "max_memory_allocated": max(x for x in (prefill.cuda_max_allocated, decode.cuda_max_allocated)
+                                        if x is not None) if device == "cuda" else None}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -200,9 +235,32 @@ def main(argv=None) -> int:
         rows.append({"case": label, **row, "exact": ok})
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    print(f"\n{'generation':<44}{'prefill':>15}{'diff':>6}{'decode':>17}{'diff':>6}{'cache':>15}{'diff':>6}"
+          f"{'max_alloc':>17}")
+    generated = []
+    for case in INFERENCE_CASES:
+        if args.only and case[0] != args.only:
+            continue
+        label = " ".join(map(str, case))
+        try:
+            row = run_inference(case, size, args.device)
+        except Exception:
+            bad += 1
+            print(f"{label:<44}ERROR\n{traceback.format_exc(limit=4)}")
+            generated.append({"case": label, "error": traceback.format_exc(limit=4)})
+            continue
+        diffs = [row[f"{k}_predicted"] - row[f"{k}_measured"] for k in ("prefill", "decode", "cache")]
+        bad += any(diffs)
+        alloc = row["max_memory_allocated"]
+        print(f"{label:<44}{row['prefill_measured']:>15,}{diffs[0]:>6,}{row['decode_measured']:>17,}{diffs[1]:>6,}"
+              f"{row['cache_measured']:>15,}{diffs[2]:>6,}{'' if alloc is None else f'{alloc:,}':>17}")
+        generated.append({"case": label, **row, "exact": not any(diffs)})
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     Path(args.json).write_text(json.dumps({"device": where, "torch": torch.__version__,
                                            "transformers": transformers.__version__, "sizes": size,
-                                           "seconds": round(time.perf_counter() - start, 1), "cases": rows},
+                                           "seconds": round(time.perf_counter() - start, 1), "cases": rows,
+                                           "generation": generated},
                                           indent=1) + "\n")
     print(("all exact" if not bad else f"{bad} case(s) differ") + f"; table in {args.json}")
     return 1 if bad else 0

@@ -51,6 +51,7 @@ __all__ = [
     "plain_step",
     "PassReport",
     "inference_pass",
+    "generation",
 ]
 
 _PHASES = ("forward", "backward", "optimizer")
@@ -734,3 +735,55 @@ def inference_pass(module: torch.nn.Module, fn: Callable[[], Any], *, extra: Any
     timeline = tuple(tracker.samples)
     top = max(timeline, key=lambda s: s.live_bytes)
     return PassReport(top.live_bytes, top.op, timeline, at_start, timeline[-1].live_bytes, cuda_max), out
+
+
+def generation(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, *, cache: str = "dynamic",
+               max_cache_len: int | None = None, autocast: torch.dtype | None = None,
+               logits: str = "last") -> tuple[PassReport, PassReport, int]:
+    """Text generation as transformers' ``generate`` runs a causal LM, tracked as symmem's
+    inference mode derives it: the prefill of the prompt ``ids`` (b, s), ``new_tokens - 1``
+    untracked decoding steps, then the tracked one, after which the cache holds s +
+    ``new_tokens`` positions. Returns (prefill report, decoding-step report, the cache's bytes
+    after it).
+
+    ``cache``: transformers' ``DynamicCache`` (``"dynamic"``), ``StaticCache`` of
+    ``max_cache_len`` positions (``"static"``; its layers' ``cumulative_length`` counters, made
+    before the prefill, are part of it) or ``QuantizedCache(backend="fp8")`` (``"fp8"``: (fp8
+    tensor, float32 scale) pairs). ``autocast``: the dtype of ``torch.autocast`` over each
+    forward (None: off). ``logits``: ``"last"`` calls the model with ``logits_to_keep=1``, as
+    ``generate`` does; ``"all"`` without it. The new tokens are random (the memory does not
+    depend on them)."""
+    import transformers
+    keep = 1 if logits == "last" else 0
+    if cache == "static":
+        kv = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
+    elif cache == "fp8":
+        kv = transformers.QuantizedCache(backend="fp8", config=model.config)
+    else:
+        kv = transformers.DynamicCache(config=model.config)
+    device = ids.device
+
+    def counters():
+        return [x.cumulative_length for x in kv.layers] if cache == "static" else []
+
+    def tensors():      # what the cache holds
+        if cache == "fp8":
+            return [t for x in kv.layers for t in (*x._quantized_keys, *x._quantized_values)]
+        return [t for x in kv.layers for t in (x.keys, x.values)] + counters()
+
+    def forward(x):
+        with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            return model(x, cache=kv, use_cache=True, logits_to_keep=keep).logits
+    vocab = model.config.get_text_config().vocab_size
+    prefill, out = inference_pass(model, lambda: forward(ids), extra=lambda: (ids, counters()))
+    del out
+    b = ids.shape[0]
+    for _ in range(new_tokens - 1):
+        with torch.no_grad():
+            forward(torch.randint(0, vocab, (b, 1), device=device))
+    nxt = torch.randint(0, vocab, (b, 1), device=device)
+    # the cache's tensors handed over by a function: a list made in the call would keep the
+    # previous keys and values alive through it
+    decode, out = inference_pass(model, lambda: forward(nxt), extra=lambda: (nxt, tensors()))
+    del out
+    return prefill, decode, sum(x.untyped_storage().nbytes() for x in tensors())

@@ -2,15 +2,15 @@
 OPT) on the CPU: the prefill of a prompt and one decoding step with transformers'
 ``DynamicCache`` (or ``StaticCache``, or ``QuantizedCache`` in fp8), under ``torch.no_grad`` (random weights, small configs,
 no download). Each case checks, to the byte, the peak of the prefill, the peak of the decoding
-step and the KV cache after it, measured by :func:`symmem.measure.inference_pass` (live
-storages after every operator)."""
+step and the KV cache after it, measured by :func:`symmem.measure.generation` (live storages
+after every operator)."""
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import symmem as sm  # noqa: E402
-from symmem.measure import inference_pass, param_bytes  # noqa: E402
+from symmem.measure import generation, inference_pass, param_bytes  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -55,54 +55,15 @@ def hf_model(family, point, attention):
     return cfg, model_class(cfg).eval()
 
 
-def measure_generation(model, precision, ids, n_g, V, static=None, logits="last", fp8=False):
-    """(prefill report, decoding-step report, cache bytes after it): the prompt ``ids``, then
-    n_g - 1 untracked decoding steps, then the tracked one (the cache then holds s + n_g).
-    ``static``: a StaticCache of that many positions instead of a DynamicCache; its layers'
-    ``cumulative_length`` counters (made by ``StaticCache()``, before the prefill) are part of it.
-    ``fp8``: a ``QuantizedCache(backend="fp8")``, whose layers keep (fp8 tensor, float32 scale)
-    pairs. ``logits``: ``last`` calls the model with ``logits_to_keep=1``, as ``generate`` does;
-    ``all`` without it (every position's logits)."""
-    keep = 1 if logits == "last" else 0
-    if static:
-        cache = transformers.StaticCache(config=model.config, max_cache_len=static)
-    elif fp8:
-        cache = transformers.QuantizedCache(backend="fp8", config=model.config)
-    else:
-        cache = transformers.DynamicCache(config=model.config)
-
-    def counters():
-        return [x.cumulative_length for x in cache.layers] if static else []
-
-    def tensors():      # what the cache holds
-        if fp8:
-            return [t for x in cache.layers for t in (*x._quantized_keys, *x._quantized_values)]
-        return [t for x in cache.layers for t in (x.keys, x.values)] + counters()
-
-    def forward(x):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return model(x, cache=cache, use_cache=True, logits_to_keep=keep).logits
-    prefill, out = inference_pass(model, lambda: forward(ids), extra=lambda: (ids, counters()))
-    del out
-    b = ids.shape[0]
-    for _ in range(n_g - 1):
-        with torch.no_grad():
-            forward(torch.randint(0, V, (b, 1)))
-    nxt = torch.randint(0, V, (b, 1))
-    # the cache's tensors handed over by a function: a list made in the call would keep the
-    # previous keys and values alive through it
-    decode, out = inference_pass(model, lambda: forward(nxt), extra=lambda: (nxt, tensors()))
-    del out
-    return prefill, decode, sum(x.untyped_storage().nbytes() for x in tensors())
-
-
 def assert_generation_exact(est, model, precision, b, s, n_g, V, static=None, logits="last", fp8=False):
     """The prefill's and the decoding step's peaks, each phase's own maximum over the estimate's
     timeline, and the cache, to the byte."""
     if b == 1:                  # b = 1 reshapes some copies into views (Estimate.at_one)
         est = est.at_one
     ids = torch.randint(0, V, (b, s))
-    prefill, decode, cached = measure_generation(model, precision, ids, n_g, V, static, logits, fp8)
+    cache = "static" if static else "fp8" if fp8 else "dynamic"
+    prefill, decode, cached = generation(model, ids, n_g, cache=cache, max_cache_len=static, logits=logits,
+                                         autocast=torch.bfloat16 if precision == "bf16-mixed" else None)
     subs = est._subs({"b": b, "s": s, "n_g": n_g})
     predicted = {step: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == step)
                  for step in ("prefill", "decode")}
