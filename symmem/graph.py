@@ -148,7 +148,9 @@ class Graph:
     _scope: dict = field(default_factory=dict)
     locals: tuple = ()        # ((value, until), …): a value the model's code keeps until a node ran
     attention: str | None = None   # the attention kernel the model asks for (a config's attn_implementation)
-    checkpointing: bool = True     # can its repeated blocks be checkpointed (transformers' gradient checkpointing)?
+    # can its repeated blocks be checkpointed (transformers' gradient checkpointing)? A string:
+    # no, and why (symmem does not model it)
+    checkpointing: bool | str = True
 
     # ----- building ---------------------------------------------------------------
     def param(self, name: str, shape, trainable: bool = True, dtype: str | None = None) -> Param:

@@ -119,9 +119,15 @@ def test_fp8_cache_refusals(model, precision, words):
     assert err.value.field == "cache" and all(w in str(err.value) for w in words)
 
 
-def test_sliding_window_requirement():
-    """Mistral's DynamicSlidingWindowLayer keeps every position below its window only."""
-    graph = sm.models.from_hf_config({**LLAMA, "model_type": "mistral", "sliding_window": 16})
+QWEN2_MIXED = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
+
+
+@pytest.mark.parametrize("config", [{"model_type": "mistral", "sliding_window": 16}, QWEN2_MIXED],
+                         ids=["mistral", "qwen2-mixed"])
+def test_sliding_window_requirement(config):
+    """Mistral's DynamicSlidingWindowLayer (and that of Qwen2's sliding layers) keeps every
+    position below its window only."""
+    graph = sm.models.from_hf_config({**LLAMA, **config})
     inf = sm.estimate(graph, sm.Policy("bf16", device="cpu", mode="inference"))
     inf.at(b=2, s=8, n_g=7)          # 15 positions cached: below the window of 16
     with pytest.raises(ConfigError) as err:
@@ -263,9 +269,10 @@ def test_max_cache_len_needs_static():
 
 def test_static_cache_refusals():
     """A sliding window (StaticSlidingWindowLayer) and SDPA on CUDA are not modelled."""
-    with pytest.raises(ConfigError) as err:
-        static(config={"model_type": "mistral", "sliding_window": 16})
-    assert "StaticSlidingWindowLayer" in str(err.value) and "--cache dynamic" in str(err.value)
+    for config in ({"model_type": "mistral", "sliding_window": 16}, QWEN2_MIXED):
+        with pytest.raises(ConfigError) as err:
+            static(config=config)
+        assert "StaticSlidingWindowLayer" in str(err.value) and "--cache dynamic" in str(err.value)
     graph = sm.models.from_hf_config(LLAMA)
     with pytest.raises(ConfigError) as err:
         sm.estimate(graph, sm.Policy("bf16", device="cuda", mode="inference", cache="static", attention="sdpa"))

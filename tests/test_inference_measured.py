@@ -48,10 +48,14 @@ def hf_model(family, point, attention):
                                      word_embed_proj_dim=h // 2 if family == "opt-350m" else h,
                                      attn_implementation=attention)
         return cfg, transformers.OPTForCausalLM(cfg).eval()
-    config_class, model_class = CLASSES[family]
+    extra = {}
+    if family.startswith("qwen2-"):     # use_sliding_window (a window of 32): "qwen2-sliding" every layer,
+        # "qwen2-mixed" all but the first (max_window_layers 1)
+        extra = dict(use_sliding_window=True, sliding_window=32, max_window_layers=int(family == "qwen2-mixed"))
+    config_class, model_class = CLASSES[family.split("-")[0]]
     cfg = config_class(hidden_size=h, intermediate_size=f, num_attention_heads=a, num_key_value_heads=k,
                        num_hidden_layers=L, vocab_size=V, max_position_embeddings=64, attn_implementation=attention,
-                       bos_token_id=0, eos_token_id=0, pad_token_id=None)
+                       bos_token_id=0, eos_token_id=0, pad_token_id=None, **extra)
     return cfg, model_class(cfg).eval()
 
 
@@ -81,6 +85,13 @@ CASES = [
     ("qwen2", POINTS[0], "sdpa", "fp32", 3),
     ("qwen2", POINTS[2], "eager", "bf16-mixed", 2),
     ("mistral", POINTS[1], "sdpa", "bf16", 2),
+    # Qwen2's sliding layers cache in DynamicSlidingWindowLayer, its full ones in DynamicLayer;
+    # eager's two masks (full and the window's) are (b, 1, q, s + n_g) each
+    ("qwen2-sliding", POINTS[0], "eager", "fp32", 3),
+    ("qwen2-sliding", POINTS[2], "sdpa", "bf16-mixed", 2),
+    ("qwen2-mixed", POINTS[1], "eager", "bf16", 4),
+    ("qwen2-mixed", POINTS[0], "sdpa", "fp32", 3),
+    ("qwen2-mixed", POINTS[2], "eager", "bf16-mixed", 5),
     ("gpt2", POINTS[0], "eager", "fp32", 3),       # dropout 0.1 in training, off in eval
     ("gpt2", POINTS[2], "sdpa", "bf16-mixed", 2),
     # the attention's and the MLP's arguments (the layer norms' outputs) live until each returns

@@ -290,9 +290,165 @@ def test_mistral_eager_beyond_its_window_exact(precision):
     assert_hf_step_exact(est, model, ids, precision, "adamw", b, s)
 
 
-def test_qwen2_sliding_window_is_refused():
+# ----------------------------------------------------------------------------- Qwen2's sliding window
+
+def hf_qwen2(m, attention, L=3, window=8, k=2, h=32, f=64, a=4, V=100, **extra):
+    """Qwen2 with ``use_sliding_window``: layers m to L - 1 slide (``max_window_layers`` m)."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=h, intermediate_size=f, num_attention_heads=a, num_key_value_heads=k,
+                                   num_hidden_layers=L, vocab_size=V, attn_implementation=attention, use_cache=False,
+                                   use_sliding_window=True, sliding_window=window, max_window_layers=m,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=None, **extra)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    model.train()
+    return cfg, model
+
+
+WINDOWED = [
+    # max_window_layers (of L = 3), attention, s (window 8), precision, optimizer
+    (0, "eager", 16, "fp32", "adamw"),         # every layer slides; eager beyond the window
+    (0, "eager", 16, "bf16-mixed", "sgd"),
+    (1, "eager", 16, "fp32", "sgd"),           # mixed: one full layer, two sliding ones
+    (1, "eager", 12, "bf16-mixed", "adamw"),
+    (2, "eager", 16, "bf16", "sgd"),
+    (0, "sdpa", 7, "fp32", "sgd"),             # SDPA below the window: is_causal, no mask
+    (1, "sdpa", 7, "bf16-mixed", "adamw"),
+    (0, "sdpa", 12, "fp32", "sgd"),            # SDPA from the window on (past_window)
+    (1, "sdpa", 8, "fp32", "adamw"),
+    (2, "sdpa", 12, "bf16-mixed", "sgd"),
+]
+
+
+@pytest.mark.parametrize("m,attention,s,precision,opt", WINDOWED,
+                         ids=[f"m{c[0]}-{c[1]}-s{c[2]}-{c[3]}-{c[4]}" for c in WINDOWED])
+def test_qwen2_sliding_window_exact(m, attention, s, precision, opt):
+    """Qwen2's use_sliding_window with every layer sliding (max_window_layers 0) and mixed
+    layers (1 or 2 full ones first, the block split there): parameters, saved bytes and the
+    whole step exact, eager beyond the window and SDPA on either side of it (from s = 8 on,
+    the sliding layers get the window's boolean mask and the full ones keep is_causal)."""
+    b = 2
+    cfg, model = hf_qwen2(m, attention)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", "for-loop"))
+    part = est.past_window if s >= 8 else est
+    assert (part is est) == (attention == "eager" or s < 8)
+    assert est.at(b=b, s=s).bytes == part.at(b=b, s=s).bytes
+    assert est.at(b=b, s=s).bytes["params"] == param_bytes(model)
+    assert_hf_step_exact(part, model, torch.randint(0, 100, (b, s)), precision, opt, b, s)
+
+
+def test_qwen2_two_eager_masks_exact():
+    """A long sequence, a narrow MLP and a tiny vocabulary, so that the forward's maximum sits
+    in the last layer's attention, where eager's two masks are alive (create_causal_mask's and
+    the window's, 2 * 1 * 48 * 48 * 4 = 18,432 bytes each in float32): measured exact, and one
+    mask's bytes above the same model without sliding layers (max_window_layers = L), whose
+    estimate is plain Qwen2's."""
+    b, s = 2, 48
+    cfg, model = hf_qwen2(0, "eager", L=2, window=40, h=32, f=16, V=8)
+    est = sm.estimate(graph_of(cfg), sm.Policy("fp32", "sgd", "cpu", "for-loop"))
+    assert_hf_step_exact(est, model, torch.randint(0, 8, (b, s)), "fp32", "sgd", b, s)
+    plain_cfg, _ = hf_qwen2(2, "eager", L=2, window=40, h=32, f=16, V=8)
+    plain = sm.estimate(graph_of(plain_cfg), sm.Policy("fp32", "sgd", "cpu", "for-loop"))
+
+
+    def forward_max(e):
+        subs = e._subs({"b": b, "s": s})
+        return max(int(p.total.xreplace(subs)) for p in e.timeline if p.phase == "forward")
+    assert forward_max(est) - forward_max(plain) == 2 * 48 * 48 * 4
+
+
+def test_qwen2_without_sliding_layers_is_plain_qwen2():
+    """use_sliding_window with max_window_layers >= L (transformers' default 28 over 3 layers),
+    with layer_types all full_attention or with sliding_window null (Qwen2Config then makes every
+    layer full_attention), and max_window_layers without use_sliding_window: no sliding layer,
+    no window's mask; the same
+    graph's formulas as without use_sliding_window, under eager and SDPA."""
+    base = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+    for attention in ("eager", "sdpa"):
+        policy = sm.Policy("bf16-mixed", "adamw", "cpu", attention=attention)
+        plain = sm.estimate(sm.models.from_hf_config(base), policy)
+        for extra in ({"use_sliding_window": True, "sliding_window": 8},
+                      {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3},
+                      {"use_sliding_window": True, "layer_types": ["full_attention"] * 3},
+                      {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+                      {"use_sliding_window": False, "max_window_layers": 0}):
+            est = sm.estimate(sm.models.from_hf_config({**base, **extra}), policy)
+            assert est.totals == plain.totals and est.past_window is est
+    # with sliding layers the formulas differ (eager: the window's mask beside the full one)
+    eager = sm.Policy("fp32", "sgd", "cpu", attention="eager")
+    slid = sm.estimate(sm.models.from_hf_config({**base, "use_sliding_window": True, "sliding_window": 8,
+                                                 "max_window_layers": 0}), eager)
+    assert slid.totals != sm.estimate(sm.models.from_hf_config(base), eager).totals
+
+
+def test_qwen2_layer_types_as_max_window_layers():
+    """An explicit layer_types, as Qwen2Config.to_dict() writes it, gives the same graph as the
+    max_window_layers it stands for."""
+    base = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "use_sliding_window": True,
+            "sliding_window": 8}
+    kinds = ["full_attention", "sliding_attention", "sliding_attention"]
+    policy = sm.Policy("fp32", "sgd", "cpu", attention="sdpa")
+    a_ = sm.estimate(sm.models.from_hf_config({**base, "layer_types": kinds, "max_window_layers": 28}), policy)
+    b_ = sm.estimate(sm.models.from_hf_config({**base, "max_window_layers": 1}), policy)
+    assert a_.totals == b_.totals and a_.past_window.totals == b_.past_window.totals
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+     "expected full_attention layers first, then sliding_attention ones (the pattern max_window_layers gives). "
+     "symmem models one split of the layers"),
+    ({"layer_types": ["full_attention", "sliding_attention"]},
+     "expected 3 entries (num_hidden_layers), each full_attention or sliding_attention"),
+    ({"use_sliding_window": False, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
+     "expected full_attention only without a sliding window"),
+    ({"sliding_window": None, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
+     "expected full_attention only without a sliding window (use_sliding_window true and a sliding_window)"),
+    ({"max_window_layers": -1}, "max_window_layers = -1 is not valid: expected a whole number of layers, 0 or more"),
+    ({"use_sliding_window": "yes"}, "use_sliding_window = 'yes' is not valid: expected true or false"),
+])
+def test_bad_qwen2_window_config_is_refused(changes, words):
+    base = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100, "use_sliding_window": True,
+            "sliding_window": 8, "max_window_layers": 1}
     with pytest.raises(ConfigError) as e:
-        sm.models.from_hf_config({"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
-                                  "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
-                                  "use_sliding_window": True})
-    assert "use_sliding_window = True is not valid" in str(e.value)
+        sm.models.from_hf_config({**base, **changes})
+    assert words in str(e.value)
+
+
+def test_qwen2_mixed_layers_refuse_checkpointing_and_stages():
+    """Mixed layers: gradient checkpointing (each layer's checkpoint binds its own mask) and
+    pipeline stages (two blocks) are refused with what to do; all-sliding layers checkpoint."""
+    base = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100, "use_sliding_window": True,
+            "sliding_window": 8}
+    mixed = sm.models.from_hf_config({**base, "max_window_layers": 1})
+    for spec in ("full", "last:1", "every:2", "selective"):
+        with pytest.raises(ConfigError) as e:
+            sm.estimate(mixed, sm.Policy("fp32", "sgd", "cpu", recompute=spec))
+        assert (f"recompute = '{spec}' is not valid: expected none for 'qwen2': its first 1 layers attend to every "
+                "position and the others through a sliding window") in str(e.value)
+        assert "Leave --recompute out." in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        sm.estimate(mixed, sm.Policy("fp32", "sgd", "cpu", parallel="pp=2"))
+    assert "pp = 2 is not valid: expected 1 for qwen2: stages are cut from one repeated block" in str(e.value)
+    slid = sm.models.from_hf_config({**base, "max_window_layers": 0})
+    assert sm.estimate(slid, sm.Policy("fp32", "sgd", "cpu", recompute="full")).at(b=2, s=4).peak > 0
+
+
+@pytest.mark.parametrize("attention,s,precision", [("eager", 12, "fp32"), ("sdpa", 12, "bf16-mixed"),
+                                                   ("sdpa", 7, "fp32")])
+def test_qwen2_sliding_window_recomputed_exact(attention, s, precision):
+    """Every layer sliding, checkpointed (transformers' gradient checkpointing): each layer's
+    checkpoint keeps the window's mask it was given (SDPA from the window on: the boolean one),
+    not create_causal_mask's, which dies with the forward."""
+    b = 2
+    cfg, model = hf_qwen2(0, attention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_checkpointing(model)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, "sgd", "cpu", "for-loop", recompute="full"))
+    part = est.past_window if s >= 8 else est
+    assert_hf_step_exact(part, model, torch.randint(0, 100, (b, s)), precision, "sgd", b, s)

@@ -27,7 +27,7 @@ measures the model):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from ..graph import Graph
@@ -102,7 +102,12 @@ def check_decoder(cfg, flags=()) -> None:
 class Decoder:
     """What :func:`build_decoder` needs of a Llama-type config (Llama, Mistral, Qwen2 read
     their own keys into it): sizes, which projections have a bias, the attention's dropout,
-    a tied head, the attention implementation and a sliding window (None: none)."""
+    a tied head, the attention implementation and a sliding window (None: none).
+
+    ``full_layers``: with a window, how many leading layers attend to every position instead
+    (Qwen2's ``max_window_layers``); ``full_mask``: the model also builds the full causal mask
+    beside the window's (Qwen2's ``create_causal_mask``, made whatever its layers), each one a
+    local of the model's forward until it returns."""
     name: str
     hidden: int
     inter: int
@@ -118,6 +123,8 @@ class Decoder:
     tie: bool = False
     attn_implementation: str | None = None
     window: int | None = None
+    full_layers: int = 0
+    full_mask: bool = False
 
     @property
     def own_head_dim(self) -> bool:
@@ -154,7 +161,11 @@ def build_decoder(cfg: Decoder, mlp=None) -> Graph:
     positions = g.add("positions", ids, layer_kwarg=True, name="position_ids")
     # LlamaModel passes the position ids, the mask and the rotary tables to each layer as
     # keyword arguments
-    mask = g.add("causal_mask", ids, layer_kwarg=True, name="causal_mask")
+    # (Qwen2 with sliding layers: create_causal_mask, then create_sliding_window_causal_mask;
+    # a layer's checkpoint binds its own; Mistral's one mask is the window's)
+    two = cfg.window is not None and cfg.full_mask
+    full = g.add("causal_mask", ids, layer_kwarg=not two or cfg.full_layers > 0, name="causal_mask")
+    mask = g.add("causal_mask", ids, layer_kwarg=True, name="sliding_causal_mask") if two else full
     # LlamaRotaryEmbedding's buffers (inv_freq and its original copy, d/2 each, float32 or the
     # dtype model.to() gave the weights) and the cos and sin tables it makes once per forward,
     # read by every layer
@@ -220,15 +231,41 @@ def build_decoder(cfg: Decoder, mlp=None) -> Graph:
         return out
 
     x = g.repeat(L, block, x, name="layers")
+    if cfg.window is not None and cfg.full_layers:
+        g = _full_first(g, cfg.full_layers, full)
     x = g.output(g.add("rms_norm", x, params=(g.param("norm.weight", (h,)),), name="norm"))
     head = embed if cfg.tie else g.param("lm_head.weight", (V, h))
     logits = g.output(g.add("linear", x, params=(head,), name="lm_head"))
     # transformers' ForCausalLMLoss (symmem.models.heads)
     causal_lm_loss(g, logits, ids)
     # LlamaModel's locals until it returns (after the final norm)
-    for value in ("embed_tokens", positions, mask, cos, sin):
+    for value in dict.fromkeys(("embed_tokens", positions, full, mask, cos, sin)):
         g.hold(value, until="norm")
     return g
+
+
+def _full_first(g: Graph, m: int, full: str) -> Graph:
+    """The block of layers split before layer ``m`` (:meth:`~symmem.graph.Graph.split_layers`):
+    the first ``m`` layers' attention without the window, reading the full causal mask
+    ``full``; the others keep the window and its mask. Layers that differ so cannot be
+    checkpointed as modelled (each layer's checkpoint binds its own mask, where
+    the recompute pass keeps every layer keyword for every layer): refused."""
+    part = Graph.part_name("layers", 0, m, L)
+    split = g.split_layers("layers", [m])
+
+    def rewrite(node, sub) -> bool:
+        if node.op != "attention" or not node.name.startswith(part + "/"):
+            return False
+        attrs = tuple((key, value) for key, value in node.attrs if key != "window")
+        sub.items.append(replace(node, inputs=(*node.inputs[:3], full), attrs=attrs))
+        return True
+    out = split.rewritten(rewrite)
+    for rep in out.repeats():
+        if rep.name == part and full not in rep.body.externals:
+            rep.body.externals = rep.body.externals + (full,)
+    out.checkpointing = (f"its first {m} layers attend to every position and the others through a sliding "
+                         "window, each layer's checkpoint binding its own mask (not modelled)")
+    return out
 
 
 def _llama(name, h_, f_, L_, a_, k_, V_):

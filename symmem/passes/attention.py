@@ -212,15 +212,18 @@ def window_of(graph: Graph):
 
 def past_window(graph: Graph, policy):
     """The model from s = its sliding window on, where transformers passes SDPA the window's
-    boolean mask: ``graph`` with its causal mask and attention nodes marked
-    ``window_masked``; None where the window changes nothing the kernel keeps (eager
-    attention, CUDA's flash_attention_2, no window, inference) or that is marked already."""
+    boolean mask: ``graph`` with the window's attention nodes and the causal mask they read
+    marked ``window_masked`` (layers without the window keep ``is_causal``); None where the
+    window changes nothing the kernel keeps (eager attention, CUDA's flash_attention_2, no
+    window, inference) or that is marked already."""
     nodes = _windowed(graph)
     if (not nodes or any(n.attr("window_masked") for n in nodes) or policy.mode != "training"
             or not _masks_window(policy, graph)):
         return None
-    return mark(graph, lambda node: node.op in ("causal_mask", "attention") and
-                (node.op == "causal_mask" or node.attr("window") is not None), window_masked=True)
+    # the masks the window's attention reads (Qwen2 also makes a full one, None for SDPA)
+    masks = {n.inputs[3] for n in nodes if len(n.inputs) > 3}
+    return mark(graph, lambda node: (node.op == "causal_mask" and node.name in masks)
+                or (node.op == "attention" and node.attr("window") is not None), window_masked=True)
 
 
 def kernels(graph: Graph) -> tuple[str, ...]:

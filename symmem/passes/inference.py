@@ -311,15 +311,19 @@ def _last_position_logits(g: Graph) -> None:
 
 
 def _without_loss(graph: Graph) -> Graph:
-    """The graph without the top-level nodes the outputs do not need (the loss, the labels)."""
-    needed = set(graph.outputs)
-    for item in reversed(graph.items):
-        defined = {n for n, _ in _defines(item)}
-        if defined & needed:
-            if isinstance(item, Repeat):
-                needed |= set(item.carried) | set(item.body.externals)
-            else:
-                needed |= set(item.inputs)
+    """The graph without the top-level nodes the outputs do not need (the loss, the labels): a
+    node is needed when a needed node reads it or the model's code holds it until one runs."""
+    needed, before = set(graph.outputs), None
+    while needed != before:     # a local held until a needed node is made too (Qwen2's unread full mask)
+        before = set(needed)
+        needed |= {v for v, u in graph.locals if u in needed}
+        for item in reversed(graph.items):
+            defined = {n for n, _ in _defines(item)}
+            if defined & needed:
+                if isinstance(item, Repeat):
+                    needed |= set(item.carried) | set(item.body.externals)
+                else:
+                    needed |= set(item.inputs)
     top = {item.name for item in graph.items if isinstance(item, Node)}
 
     def rewrite(node, sub) -> bool:           # True, adding nothing: removed

@@ -52,6 +52,9 @@ def prepare(graph: Graph, policy) -> Graph:
     spec = policy.recompute
     if spec.mode not in ("none", "nodes", "selective"):
         graph = _grad_when_checkpointed(graph, policy)
+    if spec.mode not in ("none", "nodes") and isinstance(graph.checkpointing, str):
+        raise ConfigError("recompute", str(spec), f"none for {graph.name!r}: {graph.checkpointing}",
+                          "Leave --recompute out.")
     if spec.mode not in ("none", "nodes") and not graph.checkpointing:
         raise ConfigError("recompute", str(spec), f"none for {graph.name!r}: its implementation has no gradient "
                           "checkpointing (transformers' ResNet does not support it; torchvision's checkpoints nothing)",
