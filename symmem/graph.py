@@ -149,7 +149,7 @@ class Graph:
     locals: tuple = ()        # ((value, until), …): a value the model's code keeps until a node ran
     attention: str | None = None   # the attention kernel the model asks for (a config's attn_implementation)
     # can its repeated blocks be checkpointed (transformers' gradient checkpointing)? A string:
-    # no, and why (symmem does not model it)
+    # every layer only (recompute="full"), and why no other mode is modelled
     checkpointing: bool | str = True
 
     # ----- building ---------------------------------------------------------------

@@ -418,34 +418,47 @@ def test_bad_qwen2_window_config_is_refused(changes, words):
     assert words in str(e.value)
 
 
-def test_qwen2_mixed_layers_refuse_checkpointing_and_stages():
-    """Mixed layers: gradient checkpointing (each layer's checkpoint binds its own mask) and
-    pipeline stages (two blocks) are refused with what to do; all-sliding layers checkpoint."""
+def test_qwen2_mixed_layers_refuse_ranges_and_stages():
+    """Mixed layers (two blocks): recompute modes other than full (layer ranges, groups of
+    layers) and pipeline stages are refused with what to do; all-sliding layers take them."""
     base = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100, "use_sliding_window": True,
             "sliding_window": 8}
     mixed = sm.models.from_hf_config({**base, "max_window_layers": 1})
-    for spec in ("full", "last:1", "every:2", "selective"):
+    for spec in ("last:1", "last:2", "every:2", "nth:2", "selective"):
         with pytest.raises(ConfigError) as e:
             sm.estimate(mixed, sm.Policy("fp32", "sgd", "cpu", recompute=spec))
-        assert (f"recompute = '{spec}' is not valid: expected none for 'qwen2': its first 1 layers attend to every "
-                "position and the others through a sliding window") in str(e.value)
-        assert "Leave --recompute out." in str(e.value)
+        assert (f"recompute = '{spec}' is not valid: expected full or none for 'qwen2': its first 1 layers attend "
+                "to every position and the others through a sliding window") in str(e.value)
+        assert "Use --recompute full" in str(e.value)
     with pytest.raises(ConfigError) as e:
         sm.estimate(mixed, sm.Policy("fp32", "sgd", "cpu", parallel="pp=2"))
     assert "pp = 2 is not valid: expected 1 for qwen2: stages are cut from one repeated block" in str(e.value)
     slid = sm.models.from_hf_config({**base, "max_window_layers": 0})
-    assert sm.estimate(slid, sm.Policy("fp32", "sgd", "cpu", recompute="full")).at(b=2, s=4).peak > 0
+    for spec in ("last:1", "every:2", "selective"):
+        assert sm.estimate(slid, sm.Policy("fp32", "sgd", "cpu", recompute=spec)).at(b=2, s=4).peak > 0
 
 
-@pytest.mark.parametrize("attention,s,precision", [("eager", 12, "fp32"), ("sdpa", 12, "bf16-mixed"),
-                                                   ("sdpa", 7, "fp32")])
-def test_qwen2_sliding_window_recomputed_exact(attention, s, precision):
-    """Every layer sliding, checkpointed (transformers' gradient checkpointing): each layer's
-    checkpoint keeps the window's mask it was given (SDPA from the window on: the boolean one),
-    not create_causal_mask's, which dies with the forward."""
+RECOMPUTED_WINDOW = [
+    # max_window_layers (of L = 3), attention, s (window 8), precision
+    (0, "eager", 12, "fp32"),
+    (0, "sdpa", 12, "bf16-mixed"),
+    (0, "sdpa", 7, "fp32"),
+    (1, "eager", 16, "fp32"),          # mixed: each layer's checkpoint keeps its own mask
+    (1, "sdpa", 12, "bf16-mixed"),     # the sliding layers' boolean mask; the full ones none
+    (2, "eager", 12, "bf16-mixed"),
+]
+
+
+@pytest.mark.parametrize("m,attention,s,precision", RECOMPUTED_WINDOW,
+                         ids=[f"m{c[0]}-{c[1]}-s{c[2]}-{c[3]}" for c in RECOMPUTED_WINDOW])
+def test_qwen2_sliding_window_recomputed_exact(m, attention, s, precision):
+    """Every layer checkpointed (transformers' gradient checkpointing): each layer's checkpoint
+    keeps the mask it was given (its keyword argument: the window's for a sliding layer, SDPA's
+    boolean one from the window on; create_causal_mask's for a full one) until its backward; a
+    mask no layer is given (every layer sliding: the full one) dies with the forward."""
     b = 2
-    cfg, model = hf_qwen2(0, attention)
+    cfg, model = hf_qwen2(m, attention)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         enable_checkpointing(model)

@@ -161,11 +161,12 @@ def build_decoder(cfg: Decoder, mlp=None) -> Graph:
     positions = g.add("positions", ids, layer_kwarg=True, name="position_ids")
     # LlamaModel passes the position ids, the mask and the rotary tables to each layer as
     # keyword arguments
-    # (Qwen2 with sliding layers: create_causal_mask, then create_sliding_window_causal_mask;
-    # a layer's checkpoint binds its own; Mistral's one mask is the window's)
+    # (Qwen2 with sliding layers: create_causal_mask, then create_sliding_window_causal_mask,
+    # each layer given its own: a keyword of the layers that read it, layer_kwarg="read";
+    # Mistral's one mask is the window's)
     two = cfg.window is not None and cfg.full_mask
-    full = g.add("causal_mask", ids, layer_kwarg=not two or cfg.full_layers > 0, name="causal_mask")
-    mask = g.add("causal_mask", ids, layer_kwarg=True, name="sliding_causal_mask") if two else full
+    full = g.add("causal_mask", ids, layer_kwarg="read" if two else True, name="causal_mask")
+    mask = g.add("causal_mask", ids, layer_kwarg="read", name="sliding_causal_mask") if two else full
     # LlamaRotaryEmbedding's buffers (inv_freq and its original copy, d/2 each, float32 or the
     # dtype model.to() gave the weights) and the cos and sin tables it makes once per forward,
     # read by every layer
@@ -247,9 +248,8 @@ def build_decoder(cfg: Decoder, mlp=None) -> Graph:
 def _full_first(g: Graph, m: int, full: str) -> Graph:
     """The block of layers split before layer ``m`` (:meth:`~symmem.graph.Graph.split_layers`):
     the first ``m`` layers' attention without the window, reading the full causal mask
-    ``full``; the others keep the window and its mask. Layers that differ so cannot be
-    checkpointed as modelled (each layer's checkpoint binds its own mask, where
-    the recompute pass keeps every layer keyword for every layer): refused."""
+    ``full``; the others keep the window and its mask. Checkpointed, every layer only
+    (``recompute="full"``): layer ranges and groups would cut each part on its own."""
     part = Graph.part_name("layers", 0, m, L)
     split = g.split_layers("layers", [m])
 
@@ -264,7 +264,8 @@ def _full_first(g: Graph, m: int, full: str) -> Graph:
         if rep.name == part and full not in rep.body.externals:
             rep.body.externals = rep.body.externals + (full,)
     out.checkpointing = (f"its first {m} layers attend to every position and the others through a sliding "
-                         "window, each layer's checkpoint binding its own mask (not modelled)")
+                         "window (two blocks of layers, which layer ranges and groups of layers would cut "
+                         "each on its own: not modelled)")
     return out
 
 

@@ -18,8 +18,10 @@ Mistral's sliding layers get (the estimate's ``past_window`` region,
 full one only in that mask (eager ignores the ``sliding_window`` argument; SDPA has none).
 All layers sliding (``max_window_layers`` 0) is one block of Mistral's layers; mixed layers
 are the block split before layer ``max_window_layers`` (:meth:`~symmem.graph.Graph.split_layers`),
-its first part attending to every position. Refused for mixed layers: gradient checkpointing
-(each layer's checkpoint binds its own mask; not modelled) and pipeline stages (two blocks).
+its first part attending to every position. Gradient checkpointing keeps each layer's own
+mask (its keyword argument) until the layer's backward; mixed layers are modelled with every
+layer checkpointed only (``recompute="full"``: layer ranges and groups would cut each part on
+its own, refused), and refuse pipeline stages (two blocks).
 Inference: sliding layers cache in ``DynamicSlidingWindowLayer``, full ones in
 ``DynamicLayer`` (:mod:`symmem.passes.inference`, per layer).
 """

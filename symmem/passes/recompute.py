@@ -9,7 +9,9 @@ core). What PyTorch does, measured (``tests/test_recompute_measured.py``):
   until the region's backward is over. A layer's keyword arguments (values whose node has
   ``layer_kwarg=True``: Llama's position ids, rotary tables and mask, which transformers'
   ``GradientCheckpointingLayer`` binds with ``functools.partial``) are kept as long, read by
-  the layer or not, but not through the hooks: they are not counted as saved. Python
+  the layer or not (``layer_kwarg="read"``: a mask each layer is given its own of, Qwen2's
+  full or sliding one, kept by the layers that read it), but not through the hooks: they are
+  not counted as saved. Python
   numbers saved as 0-dim tensors bypass the hooks and stay (non-reentrant only: the
   reentrant variant runs the region under ``no_grad``).
 - **backward**: when backward first needs one of the region's saved tensors (the region's
@@ -37,6 +39,7 @@ from ..errors import ConfigError, UnknownName
 from ..graph import Graph
 from ..plan import (AUTOGRAD, CACHE, CHECKPOINT, Backward, Begin, Compute, End, Free, Hold, Key, Mark, Plan,
                     Release)
+from .regions import check_full_only
 
 __all__ = ["prepare", "apply", "regions"]
 
@@ -52,9 +55,7 @@ def prepare(graph: Graph, policy) -> Graph:
     spec = policy.recompute
     if spec.mode not in ("none", "nodes", "selective"):
         graph = _grad_when_checkpointed(graph, policy)
-    if spec.mode not in ("none", "nodes") and isinstance(graph.checkpointing, str):
-        raise ConfigError("recompute", str(spec), f"none for {graph.name!r}: {graph.checkpointing}",
-                          "Leave --recompute out.")
+    check_full_only(graph, policy)
     if spec.mode not in ("none", "nodes") and not graph.checkpointing:
         raise ConfigError("recompute", str(spec), f"none for {graph.name!r}: its implementation has no gradient "
                           "checkpointing (transformers' ResNet does not support it; torchvision's checkpoints nothing)",
@@ -181,10 +182,13 @@ def apply(plan: Plan, graph: Graph, policy) -> Plan:
     found = regions(plan, graph, spec)
     # what a layer's checkpoint receives as keyword arguments (transformers binds them with
     # functools.partial): kept, not saved through the hooks
+    # (layer_kwarg="read": a mask each layer is given its own of, Qwen2's full or sliding one:
+    # kept by the layers that read it)
     keywords = ({name for name, node in _nodes(graph).items() if node.attr("layer_kwarg")}
                 if spec.mode in ("full", "every", "nth", "last", "layers") else set())
+    own = {name for name in keywords if _nodes(graph)[name].attr("layer_kwarg") == "read"}
     for n, region in enumerate(found):
-        _checkpoint(fwd, bwd, region, f"{CHECKPOINT}{n}", spec.reentrant, casts, keywords)
+        _checkpoint(fwd, bwd, region, f"{CHECKPOINT}{n}", spec.reentrant, casts, keywords, own)
     note = (f"recompute {spec}: {len(found)} region{'s' * (len(found) != 1)} checkpointed "
             f"({'reentrant' if spec.reentrant else 'non-reentrant'})")
     return replace(plan, forward=tuple(fwd), backward=tuple(bwd), notes=plan.notes + (note,))
@@ -195,7 +199,7 @@ def _autograd(e: Compute) -> str:
 
 
 def _checkpoint(fwd: list, bwd: list, region: list[int], holder: str, reentrant: bool, casts: dict,
-                keywords=frozenset()):
+                keywords=frozenset(), own=frozenset()):
     computes = [fwd[i] for i in region]
     made = {k for e in computes for k in ([e.out] if e.out else []) + [k for k, _ in e.new]}
     inputs = list(dict.fromkeys(k for e in computes for k in e.reads if k not in made))
@@ -220,7 +224,7 @@ def _checkpoint(fwd: list, bwd: list, region: list[int], holder: str, reentrant:
         fwd[i] = replace(e, holds=holds)
     first = fwd[region[0]]
     bound = holder.replace(CHECKPOINT, "checkpointed function's keywords: ")
-    inputs += [k for k in (Key("value", name) for name in sorted(keywords)) if k not in inputs]
+    inputs += [k for k in (Key("value", name) for name in sorted(keywords - own)) if k not in inputs]
     fwd[region[0]] = replace(first, holds=first.holds + tuple(Hold(k, bound if k.name in keywords else holder)
                                                               for k in inputs))
     # backward: the region again before its backward needs it; the checkpoint lets

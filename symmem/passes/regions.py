@@ -91,7 +91,20 @@ def _span(field: str, item: str, policy, n, bound, block: str, bindings: dict):
     return (sp.Integer(0), sp.Integer(int(k))) if kind == "first" else (sp.expand(n - int(k)), n)
 
 
+def check_full_only(graph: Graph, policy) -> None:
+    """A graph whose ``checkpointing`` is a string is modelled checkpointed with every layer
+    checkpointed (``recompute="full"``) only, the string saying why (Qwen2's mixed layers,
+    each checkpoint binding its layer's own mask: layer ranges and groups of layers are not
+    measured)."""
+    spec = policy.recompute
+    if isinstance(graph.checkpointing, str) and spec.mode not in ("none", "nodes", "full"):
+        raise ConfigError("recompute", str(spec), f"full or none for {graph.name!r}: {graph.checkpointing}",
+                          "Use --recompute full (every layer checkpointed, as transformers' gradient "
+                          "checkpointing does), or leave it out.")
+
+
 def prepare(graph: Graph, policy) -> Graph:
+    check_full_only(graph, policy)
     ranges = _ranges(policy)
     reps = graph.layer_blocks()
     named = [(f, i) for f, i in ranges if f != "recompute"]
