@@ -16,7 +16,8 @@ than stages leave stages idle).
 
 Each layout's peak is exact (:meth:`symmem.engine.Estimate.at`): one derivation per kind of
 layout, with the degrees ``d`` and ``t`` and the batch left as symbols, evaluated for every
-count. Accumulating ``k >= 2`` micro-batches peaks as two do (the later micro-batches are
+count. A layout whose states (:data:`STATES`, the same at every batch) exceed the budget is
+left at its first batch tried: no smaller one fits, so b = 1's own derivation is not made. Accumulating ``k >= 2`` micro-batches peaks as two do (the later micro-batches are
 alike: each runs beside the gradients the first left), so ``accumulate=2`` stands for all; a
 1F1B pipeline with ``k >= pp + 1`` micro-batches peaks as with ``pp + 1`` (the first stage's
 last warm-up forwards run beside the first backward's gradients from ``pp + 1`` on; ``k = pp``
@@ -40,6 +41,9 @@ SHARDINGS = (("ddp", {}), ("zero-1", {"zero": 1}), ("zero-2", {"zero": 2}), ("ze
              ("fsdp-full", {"fsdp": "full"}))
 RECOMPUTE = ("none", "selective", "full")
 TENSOR = (1, 2, 4, 8)
+#: What every rank keeps through the step whatever the batch: the optimizer step runs with all
+#: of it, so a peak is never below their sum (checked over policies and layouts in tests/test_fit.py)
+STATES = ("params", "buffers", "grads", "master", "optimizer")
 #: What a pipeline allows beside it (:func:`symmem.policy.Policy` refuses ZeRO 2-3 and FSDP).
 _PIPELINE_SHARDINGS = ("ddp", "zero-1")
 
@@ -174,6 +178,8 @@ def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding, 
             name = "none" if dp == 1 else sharding
             return Layout(gpus, dp, tp, tp > 1, name, recompute, b, k, ev.peak, bud.usable, dict(ev.bytes), pp=pp,
                           cp=cp)
+        if sum(ev.bytes.get(c, 0) for c in STATES) > bud.usable:
+            return None         # the states alone do not fit: no batch does (nor b = 1's own derivation)
     return None
 
 

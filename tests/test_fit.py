@@ -110,3 +110,25 @@ def test_context_parallel_layouts_are_their_estimates():
             assert f"cp={x.cp}" in x.parallel and x.as_dict()["cp"] == x.cp
             own = sm.estimate(g, sm.Policy("bf16-mixed", "adamw", "cuda", recompute=x.recompute, parallel=x.parallel))
             assert own.at(b=x.micro_batch, s=4096).peak == x.peak <= x.usable
+
+
+@pytest.mark.parametrize("parallel", ["dp=4", "dp=4,zero=2", "dp=4,zero=3,offload=optimizer", "dp=4,fsdp=full",
+                                      "dp=2,tp=2,sp=true", "pp=2,microbatches=4"])
+@pytest.mark.parametrize("precision,recompute", [("bf16-mixed", "none"), ("fp32", "full"), ("bf16", "selective")])
+def test_no_peak_below_the_states(parallel, precision, recompute):
+    """What fit's shortcut rests on: the step's peak is at least the states every rank keeps
+    (fit.STATES: the optimizer step runs with all of them), at every batch."""
+    from symmem.fit import STATES
+    est = sm.estimate("gpt2", sm.Policy(precision, "adamw", recompute=recompute, parallel=parallel))
+    for b in (1, 2, 8):
+        ev = est.at(b=b, s=512)
+        assert sum(ev.bytes.get(c, 0) for c in STATES) <= ev.peak, b
+
+
+def test_the_states_shortcut_changes_no_layout(monkeypatch):
+    """fit leaves a layout whose states exceed the budget at its first batch: the same layouts
+    as trying every batch (the shortcut off: no states counted)."""
+    args = (sm.models.preset("gpt2"), budget(bytes="2GiB"), 1024, 16)
+    quick = fit(*args, max_gpus=4, max_pp=1)
+    monkeypatch.setattr("symmem.fit.STATES", ())
+    assert quick == fit(*args, max_gpus=4, max_pp=1) and quick
