@@ -16,8 +16,11 @@ than stages leave stages idle).
 
 Each layout's peak is exact (:meth:`symmem.engine.Estimate.at`): one derivation per kind of
 layout, with the degrees ``d`` and ``t`` and the batch left as symbols, evaluated for every
-count. A layout whose states (:data:`STATES`, the same at every batch) exceed the budget is
-left at its first batch tried: no smaller one fits, so b = 1's own derivation is not made. Accumulating ``k >= 2`` micro-batches peaks as two do (the later micro-batches are
+count. Two shortcuts, both exact: a layout whose states (:data:`STATES`, the same at every
+batch, never above the peak) exceed the budget is left at its first batch tried, so b = 1's
+own derivation is not made; and one whose states cannot fit even at the best split
+(:func:`_states_floor`, from one rank's states) is not derived at all: for a model of tens of
+billions of parameters, every count of GPUs too small for its states. Accumulating ``k >= 2`` micro-batches peaks as two do (the later micro-batches are
 alike: each runs beside the gradients the first left), so ``accumulate=2`` stands for all; a
 1F1B pipeline with ``k >= pp + 1`` micro-batches peaks as with ``pp + 1`` (the first stage's
 last warm-up forwards run beside the first backward's gradients from ``pp + 1`` on; ``k = pp``
@@ -127,6 +130,16 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
                 kinds[kind] = None
         return kinds[kind]
 
+    whole: dict = {}
+
+    def floor(dp, tp, pp, sharding) -> int:
+        """A lower bound of the most loaded rank's states (:func:`_states_floor`), from one
+        rank's whole states (the plain layout's, derived first anyway)."""
+        if not whole and STATES:
+            ev = est((False, "ddp", "none", 1, True, 1, 1, 1)).at(b=2, s=seq)
+            whole.update({c: ev.bytes.get(c, 0) for c in STATES})
+        return _states_floor(whole, dp, tp * pp, sharding)
+
     contexts = [x for x in counts if x == 1 or (x <= max_cp and seq % (2 * x) == 0)]
     out = []
     for gpus in counts:
@@ -140,6 +153,8 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
                         if (tp > 1 and fields) or (dp == 1 and fields) or \
                                 (pp > 1 and sharding not in _PIPELINE_SHARDINGS):
                             continue            # ZeRO with tp; sharding one rank; ZeRO 2-3 beside a pipeline
+                        if floor(dp, tp, pp, sharding) > bud.usable:
+                            continue            # the states alone do not fit: nothing derived
                         for recompute in RECOMPUTE:
                             layout = _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding,
                                                     recompute)
@@ -150,6 +165,20 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
 
 def _spec(fields: dict) -> str:
     return ",".join(f"{k}={1 if v is True else v}" for k, v in fields.items())
+
+
+def _states_floor(whole: dict, dp: int, n: int, sharding: str) -> int:
+    """At most what the most loaded rank keeps of the states (:data:`STATES`) when the model is
+    split over ``n = tp * pp`` ranks and ``dp`` ranks share its data under ``sharding``, from
+    one rank's ``whole`` states: every tensor is split or repeated over the ``n`` ranks (the
+    most loaded holds at least their average, 1/n), and ZeRO or FSDP divides a sharded part at
+    most by ``dp`` (its padding only adds). ZeRO-1 shards the master copy and the optimizer's
+    states, ZeRO-2 the gradients too, ZeRO-3 and FSDP everything; DDP's buckets add more."""
+    p, g = whole.get("params", 0), whole.get("grads", 0)
+    rest = whole.get("master", 0) + whole.get("optimizer", 0)
+    shard = {"zero-1": rest, "zero-2": g + rest, "zero-3": p + g + rest, "fsdp-full": p + g + rest}.get(
+        sharding, 0) if dp > 1 else 0
+    return (p + g + rest - shard + shard // dp) // n
 
 
 def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding, recompute) -> Layout | None:

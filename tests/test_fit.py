@@ -126,9 +126,29 @@ def test_no_peak_below_the_states(parallel, precision, recompute):
 
 
 def test_the_states_shortcut_changes_no_layout(monkeypatch):
-    """fit leaves a layout whose states exceed the budget at its first batch: the same layouts
-    as trying every batch (the shortcut off: no states counted)."""
+    """fit leaves a layout whose states exceed the budget at its first batch, and does not derive
+    one whose states floor exceeds it: the same layouts as trying every batch of every layout
+    (both shortcuts off: no states counted)."""
     args = (sm.models.preset("gpt2"), budget(bytes="2GiB"), 1024, 16)
     quick = fit(*args, max_gpus=4, max_pp=1)
     monkeypatch.setattr("symmem.fit.STATES", ())
     assert quick == fit(*args, max_gpus=4, max_pp=1) and quick
+
+
+@pytest.mark.parametrize("parallel,sharding", [("dp=4", "ddp"), ("dp=4,zero=1", "zero-1"), ("dp=4,zero=2", "zero-2"),
+                                               ("dp=4,zero=3", "zero-3"), ("dp=4,fsdp=full", "fsdp-full"),
+                                               ("dp=2,tp=2,sp=true", "ddp"), ("pp=2,microbatches=4", "ddp"),
+                                               ("dp=2,pp=2,zero=1,microbatches=4", "zero-1")])
+def test_the_states_floor_is_below_every_rank_s_states(parallel, sharding):
+    """fit skips a layout whose _states_floor exceeds the budget without deriving it: the floor,
+    from one rank's states, is at most the largest states of a rank (a pipeline's stages each
+    derived), so at most its peak (GPT-2, Llama-2-7B)."""
+    from symmem.fit import STATES, _states_floor
+    for model in ("gpt2", "llama-2-7b"):
+        one = sm.estimate(model, sm.Policy("bf16-mixed", "adamw")).at(b=2, s=512)
+        whole = {c: one.bytes.get(c, 0) for c in STATES}
+        par = sm.Parallel.parse(parallel)
+        est = sm.estimate(model, sm.Policy("bf16-mixed", "adamw", parallel=parallel))
+        most = max(sum(r.at(b=2, s=512).bytes.get(c, 0) for c in STATES) for r in est.ranks or [est])
+        n = (par.tp if isinstance(par.tp, int) else 1) * par.pp
+        assert _states_floor(whole, par.dp, n, sharding) <= most, model      # and so below the peak
