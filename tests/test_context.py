@@ -96,7 +96,7 @@ def test_the_ring_moments_of_a_layer(precision, first, merge):
 
 def test_the_fewest_context_parallel_ranks_that_fit():
     # Llama-3-8B, 262,144 tokens in one sequence, FSDP full over 8 ranks, full recomputation:
-    # c = 8 holds 86.03 GiB, over 80 GiB less its 10% reserve (72 GiB); c = 16 57.57 GiB. Only
+    # c = 8 holds 86.85 GiB, over 80 GiB less its 10% reserve (72 GiB); c = 16 58.38 GiB. Only
     # the c with 2c | s are tried (the divisors of s / 2).
     from symmem.solve import solve
     est = sm.estimate(sm.models.preset("llama-3-8b"), sm.Policy("bf16-mixed", "adamw", "cuda", recompute="full",

@@ -511,8 +511,12 @@ def _llama_setup(kind, wrap):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
             mesh = init_device_mesh("cpu", (world_size,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, reshard_after_forward=wrap == "full")
+            # the root as fully_shard's default leaves it: not resharded after forward (its
+            # parameters would be all-gathered again at once for backward)
+            fully_shard(model, mesh=mesh)
             for module in (*model.model.layers, model):
-                fully_shard(module, mesh=mesh, reshard_after_forward=wrap == "full")
                 _reproducible_collectives(module)
         return RankSetup(model, _llama_loss(ids), _optimizer(kind, model.parameters()), [ids])
     return setup
@@ -540,24 +544,102 @@ def test_llama_ddp_rank_is_one_process_plus_its_bucket():
     assert [predicted] * 2 == [r.step.phase_peaks for r in ranks]   # 198,108 / 204,172 / 185,464
 
 
-def test_llama_fsdp2_shards_per_rank():
+# The Llama's units under FSDP2 on 2 ranks, each parameter's dim 0 padded to even:
+#   the root (embedding and head 99 -> 100 rows, the final norm 16): 2 * 100 * 16 + 16 = 3216
+#     elements, 12,864 bytes all-gathered (its flat output as large as its unsharded parameters);
+#   a layer (every dim 0 even: 16, 8, 40): 2720 elements, 10,880 bytes.
+LLAMA_ROOT, LLAMA_LAYER = (2 * 100 * 16 + 16) * 4, 2720 * 4
+# One process (test_llama_ddp_rank_is_one_process_plus_its_bucket, AdamW: the DDP rank less its
+# 34,496-byte bucket), less its parameters 34,496, states 2 * 34,496 + 21 * 4 and buffers and
+# ids 160: the activations at the forward's maximum (the cross entropy), 163,612 - 103,732 =
+# 59,880; at the backward's (log_softmax's backward, before any parameter's gradient),
+# 169,676 - 103,732 = 65,944.
+FWD_ACTS, BWD_ACTS = 59_880, 65_944
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_llama_fsdp2_rank_is_symmems(kind):
     # Each parameter's dim 0 padded to even, half a rank: embedding and head 99 -> 100 rows, 50
     # a rank: 2 * 50 * 16 = 1600; per layer q 8 * 16 + k, v 4 * 16 each + o 8 * 16 + gate, up
     # 20 * 16 each + down 8 * 40 + two norms 8 each = 1360, twice; the final norm 8:
     # 1600 + 2720 + 8 = 4328 elements = 17,312 bytes on each rank, parameters and gradients.
     # AdamW's states follow the unpadded rows: rank 1 holds 49 rows of the embedding and of
     # the head (4296 elements); 21 parameters, one 4-byte step each.
+    import symmem as sm
     shard = 2 * 50 * 16 + 2 * (8 * 16 + 2 * 4 * 16 + 8 * 16 + 3 * 320 + 2 * 8) + 8
     assert shard == 4328
-    ranks = distributed_step(_llama_setup("adamw", "full"), 2, keep_timeline=False)
-    assert [(r.params, r.grads, r.optimizer_state) for r in ranks] == [
-        (shard * 4, shard * 4, 2 * shard * 4 + 21 * 4),  # 17,312, 17,312, 34,708
-        (shard * 4, shard * 4, 2 * (shard - 32) * 4 + 21 * 4)]  # 34,452
-    for r in ranks:
+    states = {"sgd": (0, 0), "adamw": (2 * shard * 4 + 21 * 4, 2 * (shard - 32) * 4 + 21 * 4)}[kind]
+    model, _ = _llama()
+    graph = sm.models.from_hf_config(model.config.to_dict())
+    for wrap in ("full", "grad-op"):
+        ranks = distributed_step(_llama_setup(kind, wrap), 2, keep_timeline=False)
+        assert [(r.params, r.grads, r.optimizer_state) for r in ranks] == [
+            (shard * 4, shard * 4, states[0]),   # AdamW: 17,312, 17,312, 34,708
+            (shard * 4, shard * 4, states[1])]   # 34,452
         # At the start: shards, states, the rotary buffers inv_freq and original_inv_freq
         # (4 floats each, not sharded: 32) and the ids (2 * 8 int64: 128).
-        assert r.step.at_start == shard * 4 + r.optimizer_state + 32 + 128
+        start = shard * 4 + states[0] + 32 + 128        # rank 0: 52,180 with AdamW, 17,472 with SGD
+        gathered = 2 * LLAMA_LAYER if wrap == "grad-op" else 0   # every layer whole until its backward
+        # forward, at the cross entropy: the root whole (fully_shard's default leaves it gathered
+        # to the end of backward) and the last layer's all-gather output (kept in
+        # comm_ctx.all_gather_state until the root's post-forward) beside one process's activations
+        forward = start + LLAMA_ROOT + LLAMA_LAYER + gathered + FWD_ACTS
+        # backward, full shard: at layer 1's MLP backward (gated's mul), the root, layer 1 whole,
+        # layer 0's all-gather output (prefetched by layer 1's pre-backward), the head's and final
+        # norm's gradients 6,336 + 64, and the activations and their gradients then, 52,504 (as
+        # in one process); grad-op: at log_softmax's backward, both layers whole, no gathering
+        backward = (start + LLAMA_ROOT + 2 * LLAMA_LAYER + 6_400 + 52_504 if wrap == "full"
+                    else start + LLAMA_ROOT + 2 * LLAMA_LAYER + BWD_ACTS)
+        # optimizer: the gradient shards 17,312 beside, the loss 4; AdamW at the head's step: its
+        # local 50 rows' sqrt and quotient 2 * 50 * 16 * 4 = 6,400 and the final norm's
+        # denominator (8 floats) still referenced, 32
+        optimizer = start + shard * 4 + 4 + (6_432 if kind == "adamw" else 0)
+        expected = {"forward": forward, "backward": backward, "optimizer": optimizer}
+        # rank 1: its AdamW states and step temporaries over 49 rows of the embedding and head:
+        # 2 * 32 * 4 = 256 less throughout, 2 * 16 * 4 = 128 less at the head's step
+        less = {"sgd": (0, 0), "adamw": (256, 256 + 128)}[kind]
+        assert [r.step.at_start for r in ranks] == [start, start - less[0]]
+        assert ranks[0].step.phase_peaks == expected, wrap
+        assert ranks[1].step.phase_peaks == {"forward": forward - less[0], "backward": backward - less[0],
+                                             "optimizer": optimizer - less[1]}, wrap
+        # symmem's FSDP rank from the same config.json, the largest rank's (rank 0's): equal
+        est = sm.estimate(graph, sm.Policy("fp32", kind, "cpu", "for-loop", attention="eager",
+                                           parallel=f"dp=2,fsdp={wrap}"))
+        subs = est._subs({"b": 2, "s": 8})
+        predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+                     for ph in ("forward", "backward", "optimizer")}
+        assert predicted == expected, wrap
+    # with AdamW: full 135,804 / 145,708 / 75,928, grad-op 157,564 / 152,748 / 75,928;
+    # with SGD: full 101,096 / 111,000 / 34,788, grad-op 122,856 / 118,040 / 34,788
+    assert (forward, backward, optimizer) == {"sgd": (122_856, 118_040, 34_788),
+                                              "adamw": (157_564, 152_748, 75_928)}[kind]
 
+
+def test_llama_fsdp2_four_ranks_is_symmems():
+    # AdamW, full shard, 4 ranks: the embedding and head 99 -> 100 rows, 25 a rank (rank 3
+    # holds 24 unpadded): 2 * 25 * 16 = 800; per layer q 4 * 16 + k, v 2 * 16 each + o 4 * 16
+    # + gate, up 10 * 16 each + down 4 * 40 + two norms 4 each = 680, twice; the final norm 4:
+    # 2164 elements = 8,656 bytes; AdamW's states 2 * 8,656 + 21 * 4 = 17,396. What is gathered
+    # is as on 2 ranks (the root 4 * 25 = 100 rows, the layers unpadded), so the phases are the
+    # 2-rank ones less the shards and states saved: at start 8,656 + 17,396 + 160 = 26,212.
+    import symmem as sm
+    ranks = distributed_step(_llama_setup("adamw", "full"), 4, keep_timeline=False)
+    start = 8_656 + 17_396 + 160
+    expected = {"forward": start + LLAMA_ROOT + LLAMA_LAYER + FWD_ACTS,                    # 109,836
+                "backward": start + LLAMA_ROOT + 2 * LLAMA_LAYER + 6_400 + 52_504,         # 119,740
+                # the head's step on its 25 local rows, 2 * 25 * 16 * 4, and the final norm's
+                # denominator (4 floats)
+                "optimizer": start + 8_656 + 4 + 3_200 + 16}                                # 38,088
+    assert [r.step.phase_peaks for r in ranks[:3]] == [expected] * 3
+    # rank 3: 256 bytes of AdamW states less (2 * 16 * 2 * 4 for the missing rows), 128 less at
+    # the head's step
+    assert ranks[3].step.phase_peaks == {ph: v - (384 if ph == "optimizer" else 256) for ph, v in expected.items()}
+    model, _ = _llama()
+    est = sm.estimate(sm.models.from_hf_config(model.config.to_dict()),
+                      sm.Policy("fp32", "adamw", "cpu", "for-loop", attention="eager", parallel="dp=4,fsdp=full"))
+    subs = est._subs({"b": 2, "s": 8})
+    assert {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+            for ph in ("forward", "backward", "optimizer")} == expected
 
 
 #: A two-layer Llama whose key-value heads (2) and vocabulary (100) split in two.

@@ -2,10 +2,11 @@
 
 All data-parallel ranks run alike, so the plan of one is the estimate. ``n`` is the shard
 degree: the symbol ``d`` (bound to ``dp`` where it is a number), or a hybrid group's
-``shard_size``. Formulas stay symbolic in ``d``; a sharded tensor of ``N`` elements is counted
-``N / n``: exact where ``n`` divides; otherwise DeepSpeed pads each flat partition to a
-multiple of ``n`` (at most ``n - 1`` elements more) and FSDP2 pads each parameter's first
-dimension (``ceil(dim0 / n)`` rows a rank).
+``shard_size``. Formulas stay symbolic in ``d``. Under ZeRO a sharded tensor of ``N`` elements
+is counted ``N / n``: exact where ``n`` divides; otherwise DeepSpeed pads each flat partition
+to a multiple of ``n`` (at most ``n - 1`` elements more, not counted). FSDP2 pads each
+parameter's first dimension, ``ceiling(dim0 / n)`` rows a rank, and so do the formulas
+(below): exact at any ``n``.
 
 What each layout changes, as the libraries allocate it:
 
@@ -40,16 +41,34 @@ What each layout changes, as the libraries allocate it:
   ``stage3_param_persistence_threshold=0`` (DeepSpeed's default 1e5 keeps smaller parameters,
   biases and norms, whole on every rank) and a unit gathered whole (DeepSpeed gathers per
   submodule, with a prefetch bucket of 5e7 elements: for larger layers this is an upper bound).
-- **FSDP full** (FSDP2's ``fully_shard`` on every layer and the root; per-parameter sharding,
-  ``torch/distributed/fsdp/_fully_shard``): ZeRO-3's states and gathering; the all-gather's flat
-  output (one unit) beside the unsharded parameters while they are copied out, and the
-  reduce-scatter's flat input (one unit of gradients) beside the full gradients. The root does
-  not reshard after forward (FSDP2 sets it so). No ipg bucket. FSDP2 prefetches in backward
-  only (its default; DeepSpeed both ways); the all-gather's input is a slice of its output
-  (``all_gather_copy_in``), no extra.
+- **FSDP full** (FSDP2's ``fully_shard`` on every layer and the root, the root with its default
+  ``reshard_after_forward``; ``torch/distributed/fsdp/_fully_shard``): per-parameter shards,
+  each parameter's dim 0 padded to a multiple of ``n`` (``_fsdp_param.py``:
+  ``ceiling(dim0 / n)`` rows a rank, :func:`padded_rows`); parameters, gradients, optimizer
+  states and the master copy counted as rank 0's, the largest (the optimizer sees the
+  unpadded local rows: rank 0 holds ``ceiling(dim0 / n)`` of them); each rank keeps a step
+  counter per parameter, not sharded. The formulas carry ``ceiling(dim0 / d)``: where ``d``
+  divides every dim 0 they are ZeRO-3's ``N / d`` (``ceiling(x) = x``). What is gathered and
+  reduced is padded: a unit's all-gather output (one flat tensor, ``all_gather_copy_in``; the
+  input a slice of it) and its unsharded parameters are ``n * ceiling(dim0 / n)`` rows each.
+  Forward (``_fsdp_param_group.py``, ``wait_for_unshard``): the unit's output is copied out
+  into the unsharded parameters and kept in ``comm_ctx.all_gather_state`` until the next
+  unit's copy-out (the root's until the first layer's, the last layer's until the root's
+  post-forward, the end of forward); the root is not resharded after forward (fully_shard's
+  default for the root), so it is whole until its post-backward at the end of backward; a
+  layer is freed at its end. Backward: the root's pre-backward all-gathers the first unit
+  run (``default_prefetch``, ``prefetch`` = 1), each unit's pre-backward copies its output out
+  (the output freed right after: not kept in backward) and all-gathers the next; its
+  post-backward reshards, then reduce-scatters: the previous unit's reduce-scatter input is
+  let go, this unit's gradients copied, padded, into one flat input (``chunk_cat``) kept in
+  ``comm_ctx.reduce_scatter_states`` until the next unit reduces (the root's until the end of
+  backward), the gradient shards (the reduce-scatter output) kept and the whole gradients
+  freed. The step runs on the local shards: the optimizer's temporaries of
+  ``ceiling(dim0 / n)``-row parameters. No ipg bucket. Checked against measured FSDP2 runs
+  (a two-layer Llama, SGD and AdamW, ``tests/test_dist_measured.py``).
 - **FSDP grad-op** (``reshard_after_forward=False``, SHARD_GRAD_OP): as full, but a unit
   gathered in forward stays whole until its backward has run (all of them at the end of
-  forward: ZeRO-2's peak).
+  forward: ZeRO-2's peak), and nothing is gathered in backward.
 - **FSDP hybrid** (HYBRID_SHARD): full sharding over ``shard_size`` ranks (8: one node of
   eight GPUs, an assumption), replicated across nodes.
 - **Offload** ``optimizer``: the master copy, optimizer states and step counters live on the
@@ -70,27 +89,44 @@ from ..plan import Alloc, Backward, Begin, End, Free, Key, Mark, Plan
 from ..requirements import Requirement
 from ..symbols import B_g, d
 
-__all__ = ["prepare", "apply", "unit_bytes"]
+__all__ = ["prepare", "apply", "unit_bytes", "padded_rows"]
 
 ZERO = sp.Integer(0)
+
+
+def graph_params(graph):
+    return graph.params()
 
 
 def prepare(graph, policy):
     return graph
 
 
-def unit_bytes(graph) -> tuple[dict, sp.Expr, dict, sp.Expr]:
+def unit_bytes(graph, factor=None) -> tuple[dict, sp.Expr, dict, sp.Expr]:
     """(weight bytes of one iteration of each repeated block by name, of the root's params,
-    gradient bytes likewise): the units ZeRO-3 and FSDP gather."""
+    gradient bytes likewise): the units ZeRO-3 and FSDP gather. ``factor(p)``: each
+    parameter's bytes times it (FSDP2's padding: :func:`padded_rows`)."""
+    f = factor or (lambda p: 1)
     units, grads, inner = {}, {}, set()
     for rep in graph.repeats():
         own = [p for p, _ in rep.body.params() if p.name in rep.body._params]
         inner.update(p.name for p in own)
-        units[rep.name] = sp.expand(sum((weight_bytes(p) for p in own), ZERO))
-        grads[rep.name] = sp.expand(sum((grad_bytes(p) for p in own if p.trainable), ZERO))
+        units[rep.name] = sp.expand(sum((weight_bytes(p) * f(p) for p in own), ZERO))
+        grads[rep.name] = sp.expand(sum((grad_bytes(p) * f(p) for p in own if p.trainable), ZERO))
     root = [p for p, _ in graph.params() if p.name not in inner]
-    return (units, sp.expand(sum((weight_bytes(p) for p in root), ZERO)),
-            grads, sp.expand(sum((grad_bytes(p) for p in root if p.trainable), ZERO)))
+    return (units, sp.expand(sum((weight_bytes(p) * f(p) for p in root), ZERO)),
+            grads, sp.expand(sum((grad_bytes(p) * f(p) for p in root if p.trainable), ZERO)))
+
+
+def padded_rows(p, n) -> sp.Expr:
+    """FSDP2's shard of parameter ``p`` over ``n`` ranks as a fraction of it: dim 0 padded to
+    a multiple of ``n``, ``ceiling(dim0 / n)`` rows a rank (``_fsdp_param.py``,
+    ``padded_sharded_param_size``), the largest rank's (rank 0's) share of the unpadded rows
+    too. ``ceiling(dim0 / n) / dim0``: ``1 / n`` where ``n`` divides ``dim0``."""
+    if not p.shape:
+        return 1 / sp.sympify(n)
+    dim0 = p.shape[0]
+    return sp.ceiling(dim0 / n) / dim0
 
 
 def apply(plan: Plan, graph, policy) -> Plan:
@@ -125,8 +161,21 @@ class _Shard:
         #: "unit": gathered per unit in forward and in backward; "keep": gathered in forward,
         #: whole until the unit's backward (FSDP grad-op); None: parameters never sharded
         self.gather = "keep" if par.fsdp == "grad-op" else "unit" if self.stage == 3 else None
-        self.units, self.root, *_ = unit_bytes(graph)
+        self.graph = graph
+        if self.fsdp:     # FSDP2: per-parameter shards, dim 0 padded; gathered and reduced padded
+            self.param = {p.name: p for p, _ in graph.params()}
+            self.mult = {p.name: m for p, m in graph.params()}      # layers: L, as the components count
+            self.units, self.root, *_ = unit_bytes(graph, lambda p: self.n * padded_rows(p, self.n))
+        else:
+            self.units, self.root, *_ = unit_bytes(graph)
         self.bucket = ZERO if self.fsdp else sp.Integer(par.reduce_bucket) * B_g
+        self.scattering = None    # FSDP: the reduce-scatter input kept until the next unit reduces
+
+    def _shard(self, name: str, nbytes):
+        """A rank's part of the storage ``nbytes`` of parameter ``name`` (its state, gradient):
+        FSDP2's padded rows, else ``/ n``."""
+        p = self.param.get(name) if self.fsdp else None
+        return nbytes / self.n if p is None else nbytes * padded_rows(p, self.n)
 
     # ----- states ---------------------------------------------------------------------------
     def rewrite(self) -> Plan:
@@ -139,17 +188,27 @@ class _Shard:
             if isinstance(e, Alloc) and e.role in ("master", "optimizer") and self.stage >= 1:
                 if par.offload_optimizer:
                     continue
-                e = replace(e, nbytes=e.nbytes / n)
+                if not (self.fsdp and e.key.kind == "step"):    # FSDP2: each rank steps every parameter
+                    e = replace(e, nbytes=self._shard(e.key.name, e.nbytes))
             elif isinstance(e, Alloc) and e.role == "params" and self.gather is not None:
                 if par.offload_params:
                     continue
-                e = replace(e, nbytes=e.nbytes / n)
+                e = replace(e, nbytes=self._shard(e.key.name, e.nbytes))
             states.append(e)
         shard = {k: sp.expand(comps.get(k, ZERO) / n) for k in ("params", "grads", "master", "optimizer")}
+        if self.fsdp:     # the sums of the padded shards (and whole step counters)
+            for k in ("params", "master", "optimizer"):
+                shard[k] = sp.expand(sum((self.mult.get(e.key.name, e.count) * (e.nbytes if e.key.kind == "step" else
+                                                     self._shard(e.key.name, e.nbytes))
+                                          for e in plan.states if isinstance(e, Alloc) and e.role == k), ZERO))
+            shard["grads"] = sp.expand(sum((grad_bytes(p) * m * padded_rows(p, n)
+                                            for p, m in graph_params(self.graph) if p.trainable), ZERO))
+            master_grads = shard["master"] if master_grads != 0 else ZERO
         if par.offload_optimizer:
             host += shard["master"] + shard["optimizer"]
             # the gradient partition the host steps with, in the master dtype (float32) when there is one
-            host += (master_grads / n) if master_grads != 0 else shard["grads"]
+            host += ((master_grads if self.fsdp else master_grads / n) if master_grads != 0
+                     else shard["grads"])
             comps["master"] = comps["optimizer"] = ZERO
         else:
             comps["master"], comps["optimizer"] = shard["master"], shard["optimizer"]
@@ -203,6 +262,8 @@ class _Shard:
     def _forward(self, events) -> tuple:
         if self.gather is None:
             return events
+        if self.fsdp:
+            return self._forward_fsdp(events)
         last = self._last_copies(events, "forward")
         out = [Alloc(Key("gathered", "root"), self.root, "params")]
         if self.fsdp:
@@ -226,9 +287,115 @@ class _Shard:
             out.append(e)
         return tuple(out)
 
+    def _forward_fsdp(self, events) -> tuple:
+        """FSDP2's forward (``_fsdp_param_group.py``): each unit's all-gather output, one flat
+        tensor of the unit padded, is copied out into the unsharded parameters and kept in
+        ``comm_ctx.all_gather_state`` until the next unit's copy-out (the last one's until the
+        root's post-forward, the end of forward); the root's parameters stay whole to the end
+        of backward (its default), each layer's are freed at its end (full shard) or stay whole
+        until its backward (grad-op)."""
+        root = Key("all-gather output", "root")
+        out = [Alloc(Key("gathered", "root"), self.root, "params"), Alloc(root, self.root, "params"),
+               Mark("forward", "all-gather root")]
+        held = (root, self.root)      # the all-gather output kept outside a block
+        prev = ZERO
+        for i, e in enumerate(events):
+            if isinstance(e, Begin):
+                unit = self.units[e.block]
+                if held is not None:
+                    out.append(Free(held[0], held[1], "params"))
+                    prev, held = held[1], None
+                out += [e, Alloc(Key("all-gather output", f"{e.block} (forward)"), unit, "params"),
+                        Alloc(Key("gathered", f"{e.block} (forward)"), unit, "params"),
+                        # the copy-out: the previous unit's output is let go after it
+                        Mark("forward", f"all-gather {e.block}", (("params", prev),))]
+                continue
+            if isinstance(e, End):
+                unit = self.units[e.block]
+                if self.gather == "unit":
+                    out.append(Free(Key("gathered", f"{e.block} (forward)"), unit, "params"))
+                # the output lives on into the next unit: freed here (an allocation that
+                # outlived its iteration would be counted once per layer), counted at the next
+                # iteration's copy-out, or held again after the block's last (nothing may come
+                # between two copies of a block)
+                out += [Free(Key("all-gather output", f"{e.block} (forward)"), unit, "params"), e]
+                nxt = events[i + 1] if i + 1 < len(events) else None
+                if isinstance(nxt, Begin) and nxt.block == e.block:
+                    prev = unit
+                else:
+                    held = (Key("all-gather output", f"{e.block} (held)"), unit)
+                    out.append(Alloc(held[0], unit, "params"))
+                continue
+            out.append(e)
+        if held is not None:
+            out.append(Free(held[0], held[1], "params"))
+        return tuple(out)
+
+    def _backward_fsdp(self, events, device_grads: bool) -> tuple:
+        """FSDP2's backward: a unit's all-gather is issued by the pre-backward of the one
+        before it in backward (the root's for the first: ``default_prefetch``), its output
+        freed right after its copy-out (in backward it is not kept); the post-backward
+        reshards (frees the unsharded parameters), then reduce-scatters (:meth:`_reduce`).
+        The root reshards and reduces last."""
+        out, full, current = [], {}, None
+        begins = [(e.block, e.copy) for e in events if isinstance(e, Begin)]
+        ahead = self.gather == "unit" and self._prefetch("backward") > 0
+        if ahead and begins:          # the root's pre-backward prefetches the first unit
+            first = self.units[begins[0][0]]
+            at = 1 if events and isinstance(events[0], Alloc) else 0
+            out += list(events[:at]) + [Alloc(Key("all-gather output", f"{begins[0][0]} (prefetched)"),
+                                              first, "params")]
+            events = events[at:]
+        i = 0
+        for e in events:
+            if isinstance(e, Begin):
+                out.append(e)
+                current = (e.block, e.copy)
+                if self.gather == "unit":
+                    unit = self.units[e.block]
+                    own = Key("all-gather output", f"{e.block} (backward)")
+                    if not ahead:
+                        out.append(Alloc(own, unit, "params"))
+                    out += [Alloc(Key("gathered", f"{e.block} (backward)"), unit, "params"),
+                            Mark("backward", f"all-gather {e.block}"),
+                            Free(own, unit, "params")]
+                    if ahead and i + 1 < len(begins):
+                        nxt = begins[i + 1][0]
+                        out.append(Alloc(Key("all-gather output", f"{nxt} (prefetched)"), self.units[nxt],
+                                         "params"))
+                i += 1
+                continue
+            if isinstance(e, End):
+                unit = self.units[e.block]
+                phase = "backward" if self.gather == "unit" else "forward"
+                out.append(Free(Key("gathered", f"{e.block} ({phase})"), unit, "params"))
+                out += self._reduce(full.pop(current, []), e.block, device_grads)
+                out.append(e)
+                current = None
+                continue
+            if isinstance(e, Backward):
+                inner, made = [], []
+                for x in e.events:
+                    if isinstance(x, Alloc) and x.role == "grads":
+                        made.append(x)
+                        x = replace(x, key=Key("full grad", x.key.name, x.key.copy), role="transient")
+                    inner.append(x)
+                full.setdefault(current, []).extend(made)
+                e = replace(e, events=tuple(inner))
+            out.append(e)
+        tail = [Free(Key("gathered", "root"), self.root, "params")]
+        tail += self._reduce(full.pop(None, []), None, device_grads)
+        if self.scattering is not None:    # the root's post-backward callback lets go of the last
+            tail.append(Free(self.scattering[0], self.scattering[1], "transient"))
+            self.scattering = None
+        cut = len(out) - 1 if out and isinstance(out[-1], Free) and out[-1].key.kind == "vgrad" else len(out)
+        return tuple(out[:cut] + tail + out[cut:])
+
     def _backward(self, events, device_grads: bool) -> tuple:
         if self.stage < 2:
             return events
+        if self.fsdp:
+            return self._backward_fsdp(events, device_grads)
         out, full, current = [], {}, None
         last = self._last_copies(events, "backward")
         if self.bucket != 0 and self.stage < 3:      # stage_1_and_2.py backward(): the ipg buffer
@@ -280,20 +447,27 @@ class _Shard:
         FSDP's flat reduce-scatter input beside them first."""
         if not made:
             return []
-        total = sp.expand(sum((x.nbytes for x in made), ZERO))
         out = []
         if self.fsdp:
-            phase_node = f"reduce-scatter {block or 'root'}"
-            out.append(Mark("backward", phase_node, (("transient", total),)))
+            # FSDP2's foreach_reduce: the previous unit's input let go, this unit's gradients
+            # copied padded into one flat input (chunk_cat), kept until the next unit reduces
+            if self.scattering is not None:
+                out.append(Free(self.scattering[0], self.scattering[1], "transient"))
+            total = sp.expand(sum((x.nbytes * self.n * self._shard(x.key.name, 1) for x in made), ZERO))
+            self.scattering = (Key("reduce-scatter input", block or "root"), total)
+            out += [Alloc(self.scattering[0], total, "transient"),
+                    Mark("backward", f"reduce-scatter {block or 'root'}")]
         out += [Free(Key("full grad", x.key.name, x.key.copy), x.nbytes, "transient") for x in made]
         if device_grads and (self.fsdp or self.stage < 3):     # ZeRO-3's partition exists from the start
-            out += [Alloc(x.key, x.nbytes / self.n, "grads") for x in made]
+            out += [Alloc(x.key, self._shard(x.key.name, x.nbytes), "grads") for x in made]
         return out
 
     # ----- the step -------------------------------------------------------------------------
     def _optimizer(self, events) -> tuple:
         if self.stage < 1:
             return events
+        if self.fsdp and not self.par.offload_optimizer:
+            return self._optimizer_fsdp(events)
         out = []
         for e in events:
             if self.par.offload_optimizer:     # the step runs on the host
@@ -306,5 +480,33 @@ class _Shard:
                     e = replace(e, nbytes=e.nbytes / self.n)
                 elif isinstance(e, Mark) and not e.node.startswith("grad scaler"):
                     e = replace(e, extra=tuple((r, x / self.n) for r, x in e.extra))
+            out.append(e)
+        return tuple(out)
+
+    def _optimizer_fsdp(self, events) -> tuple:
+        """The step on each rank's local shards: the optimizer's temporaries derived again for
+        parameters of ``ceiling(dim0 / n)`` rows (rank 0's, the largest)."""
+        from ..lowering import _param_order, own_dtype
+        policy, n = self.policy, self.n
+
+        def local(p):
+            return replace(p, shape=(sp.ceiling(p.shape[0] / n), *p.shape[1:])) if p.shape else p
+        trained = [(local(p), m) for p, m in self.graph.params() if p.trainable]
+        order = [local(p) for p in _param_order(self.graph.items) if p.trainable]
+        rebind = own_dtype([p for p, _ in trained])
+        # one mark per distinct size (of the local shards: not the whole parameters' sizes)
+        temps = [Mark("optimizer", where, (("transient", temp.xreplace(rebind)),))
+                 for where, temp in policy.opt.step_temps(policy.impl, order, trained, policy.device)]
+        whole = sp.expand(sum((p.numel * m for p, m in self.graph.params() if p.trainable and p.dtype is None),
+                              ZERO))
+        out = []
+        for e in events:
+            if isinstance(e, Alloc) and e.key.kind == "master grads":     # the rank's float32 copy
+                local_numel = sp.expand(sum((p.numel * m for p, m in trained if p.dtype is None), ZERO))
+                e = replace(e, nbytes=sp.expand(e.nbytes / whole * local_numel))
+            elif isinstance(e, Mark) and not e.node.startswith("grad scaler"):
+                out += temps
+                temps = []
+                continue
             out.append(e)
         return tuple(out)
