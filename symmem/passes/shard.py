@@ -57,7 +57,9 @@ What each layout changes, as the libraries allocate it:
   post-forward, the end of forward); the root is not resharded after forward (fully_shard's
   default for the root), so it is whole until its post-backward at the end of backward; a
   layer is freed at its end. Backward: the root's pre-backward all-gathers the first unit
-  run (``default_prefetch``, ``prefetch`` = 1), each unit's pre-backward copies its output out
+  run (``default_prefetch``: one unit, whatever ``prefetch`` >= 1 says; more needs
+  ``set_modules_to_backward_prefetch``, not modelled; ``prefetch`` = 0: each unit gathered at
+  its own pre-backward), each unit's pre-backward copies its output out
   (the output freed right after: not kept in backward) and all-gathers the next; its
   post-backward reshards, then reduce-scatters: the previous unit's reduce-scatter input is
   let go, this unit's gradients copied, padded, into one flat input (``chunk_cat``) kept in
@@ -65,7 +67,9 @@ What each layout changes, as the libraries allocate it:
   backward), the gradient shards (the reduce-scatter output) kept and the whole gradients
   freed. The step runs on the local shards: the optimizer's temporaries of
   ``ceiling(dim0 / n)``-row parameters. No ipg bucket. Checked against measured FSDP2 runs
-  (a two-layer Llama, SGD and AdamW, ``tests/test_dist_measured.py``).
+  (a two-layer Llama, SGD and AdamW, ``tests/test_dist_measured.py``). Gathered, reduced and
+  stepped in the precision's own dtypes: ``MixedPrecisionPolicy`` (float32 shards gathered
+  in bfloat16, reduced in float32) is no precision here, not modelled yet.
 - **FSDP grad-op** (``reshard_after_forward=False``, SHARD_GRAD_OP): as full, but a unit
   gathered in forward stays whole until its backward has run (all of them at the end of
   forward: ZeRO-2's peak), and nothing is gathered in backward.
@@ -92,10 +96,6 @@ from ..symbols import B_g, d
 __all__ = ["prepare", "apply", "unit_bytes", "padded_rows"]
 
 ZERO = sp.Integer(0)
-
-
-def graph_params(graph):
-    return graph.params()
 
 
 def prepare(graph, policy):
@@ -164,7 +164,6 @@ class _Shard:
         self.graph = graph
         if self.fsdp:     # FSDP2: per-parameter shards, dim 0 padded; gathered and reduced padded
             self.param = {p.name: p for p, _ in graph.params()}
-            self.mult = {p.name: m for p, m in graph.params()}      # layers: L, as the components count
             self.units, self.root, *_ = unit_bytes(graph, lambda p: self.n * padded_rows(p, self.n))
         else:
             self.units, self.root, *_ = unit_bytes(graph)
@@ -198,11 +197,11 @@ class _Shard:
         shard = {k: sp.expand(comps.get(k, ZERO) / n) for k in ("params", "grads", "master", "optimizer")}
         if self.fsdp:     # the sums of the padded shards (and whole step counters)
             for k in ("params", "master", "optimizer"):
-                shard[k] = sp.expand(sum((self.mult.get(e.key.name, e.count) * (e.nbytes if e.key.kind == "step" else
+                shard[k] = sp.expand(sum((e.count * (e.nbytes if e.key.kind == "step" else
                                                      self._shard(e.key.name, e.nbytes))
                                           for e in plan.states if isinstance(e, Alloc) and e.role == k), ZERO))
             shard["grads"] = sp.expand(sum((grad_bytes(p) * m * padded_rows(p, n)
-                                            for p, m in graph_params(self.graph) if p.trainable), ZERO))
+                                            for p, m in self.graph.params() if p.trainable), ZERO))
             master_grads = shard["master"] if master_grads != 0 else ZERO
         if par.offload_optimizer:
             host += shard["master"] + shard["optimizer"]
@@ -250,13 +249,11 @@ class _Shard:
         return 0 if self.fsdp and phase == "forward" else self.par.prefetch
 
     def _gathered(self, block: str, phase: str, last: bool) -> list:
-        """Alloc events of a unit gathered at its start, and the all-gather's moment."""
+        """Alloc events of a unit gathered at its start (ZeRO-3)."""
         unit, out = self.units[block], []
         out.append(Alloc(Key("gathered", f"{block} ({phase})"), unit, "params"))
         if self._prefetch(phase) and not last:
             out.append(Alloc(Key("prefetched", f"{block} ({phase})"), self._prefetch(phase) * unit, "params"))
-        if self.fsdp:     # FSDP2: the all-gather's flat output beside the copied-out parameters
-            out.append(Mark(phase, f"all-gather {block}", (("transient", unit),)))
         return out
 
     def _forward(self, events) -> tuple:
@@ -266,8 +263,6 @@ class _Shard:
             return self._forward_fsdp(events)
         last = self._last_copies(events, "forward")
         out = [Alloc(Key("gathered", "root"), self.root, "params")]
-        if self.fsdp:
-            out.append(Mark("forward", "all-gather root", (("transient", self.root),)))
         current = None
         for e in events:
             if isinstance(e, Begin):
@@ -444,7 +439,7 @@ class _Shard:
 
     def _reduce(self, made: list, block, device_grads: bool) -> list:
         """The full gradients ``made`` reduce-scattered: the partition kept, the full ones freed;
-        FSDP's flat reduce-scatter input beside them first."""
+        under FSDP first copied, padded, into the flat reduce-scatter input."""
         if not made:
             return []
         out = []
