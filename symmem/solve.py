@@ -339,15 +339,27 @@ class _Domain:
         return self.divisors[k - 1] if self.divisors is not None else self.step * k
 
 
+def _probes(dom: _Domain) -> list[int]:
+    """k = 1, 2, 4, ... up to the domain's last (or the search's limit): where a direction is
+    judged. A few points, not the far end alone: FSDP's padded gathers make memory rise again
+    with d once d passes a parameter's rows, after falling."""
+    last = dom.last if dom.last is not None else LIMIT // dom.step
+    ks = [1 << i for i in range(last.bit_length()) if 1 << i <= last]
+    return ks + ([last] if ks[-1] != last else [])
+
+
 def _moves(peak: "_Peak", dom: _Domain, x, direction: str) -> None:
     """Refuse a direction in which memory does not move: the largest value needs memory
-    that grows with x, the smallest memory that falls."""
-    far = dom.value(dom.last if dom.last is not None else LIMIT // dom.step)
+    that grows with x somewhere, the smallest memory that falls somewhere."""
     first = dom.value(1)
-    if direction == "min" and peak(far) >= peak(first):
+    at_first = peak(first)
+    others = [peak(dom.value(k)) for k in _probes(dom)[1:]]
+    if direction == "min" and not any(v < at_first for v in others):
         raise ConfigError("direction", "min", f"'max': memory does not fall as {x} grows, so the smallest "
                           f"{x} that fits is {first} whenever any does", "Ask for the largest.")
-    if direction == "max" and peak(far) <= peak(first) and dom.last is None:
+    # (memory that falls first, as with d, rising again only past FSDP's padding: no largest)
+    if direction == "max" and (not others or others[0] < at_first or not any(v > at_first for v in others)) \
+            and dom.last is None:
         raise ConfigError("direction", "max", f"'min': memory does not grow with {x}, so every {x} fits "
                           "once one does: there is no largest", "Ask for the smallest.")
 
@@ -383,17 +395,23 @@ def _search_max(peak: "_Peak", dom: _Domain, usable: int, est, symbol, fixed) ->
 
 
 def _search_min(peak: "_Peak", dom: _Domain, usable: int, est, symbol, fixed) -> int:
-    """The smallest k whose value fits (peak falls with k)."""
+    """The smallest k whose value fits where memory falls with k: the first of 1, 2, 4, ...
+    that fits, then bisection down to the value before which the previous does not fit.
+    Memory that rises again past some value (FSDP's padding, with d beyond a parameter's rows)
+    never ends the search early; where none fits, the lowest peak probed is reported."""
     def fits(k):
         return peak(dom.value(k)) <= usable
     if fits(1):
         return 1
-    last = dom.last if dom.last is not None else LIMIT // dom.step
-    if not fits(last):
-        _infeasible(est, symbol, dom.value(last), usable, fixed,
+    probes = _probes(dom)
+    for lo, hi in zip(probes, probes[1:]):
+        if fits(hi):
+            break
+    else:
+        best = min(probes, key=lambda k: peak(dom.value(k)))
+        _infeasible(est, symbol, dom.value(best), usable, fixed,
                     f"the part of the peak that does not shrink with {symbol} is too large")
-    lo, hi = 1, last                    # lo does not fit, hi fits
-    while hi - lo > 1:
+    while hi - lo > 1:                  # lo does not fit, hi fits
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi

@@ -243,3 +243,18 @@ def test_search_keeps_the_candidates_that_can_be_the_peak():
     polys = [([1, 0], 1), ([5], 1), ([2, 0], 1), ([1, 9], 2)]
     assert _frontier(polys) == [2, 3]
     assert _frontier(polys + [(None, None)]) == [0, 1, 2, 3, 4]    # a ceiling: all kept
+
+
+def test_fsdp_smallest_data_parallel_degree():
+    """FSDP2's padded shards make memory fall with d, then rise again once d passes a
+    parameter's rows (every gathered unit padded to d rows): the smallest d is found by
+    probing 1, 2, 4, ... then bisecting; the largest is refused. Llama-2-7B in fp32 with AdamW,
+    b = 1, s = 2048, on an H100: 125.5 GiB on one rank, half of the states on each of two."""
+    est = sm.estimate("llama-2-7b", sm.Policy("fp32", "adamw", parallel="dp=d,fsdp=full"))
+    h100 = sm.gpus.budget(gpu="H100-80GB")
+    sol = solve(est, "d", h100, direction="min", b=1, s=2048)
+    assert sol.value == 2
+    assert est.at(b=1, s=2048, d=1).peak > h100.usable >= est.at(b=1, s=2048, d=2).peak
+    with pytest.raises(ConfigError) as e:
+        solve(est, "d", h100, direction="max", b=1, s=2048)
+    assert "memory does not grow with d" in str(e.value)
