@@ -43,7 +43,7 @@ import sympy as sp
 
 from ..errors import ConfigError
 from ..graph import Graph
-from ..policy.attention import check_kernel, resolve, sdpa_backend
+from ..policy.attention import ATTENTION, check_kernel, resolve, sdpa_backend
 from ..symbols import symbol
 from .regions import mark
 
@@ -101,8 +101,9 @@ def prepare(graph: Graph, policy) -> Graph:
             kernel = "mem-efficient"
             head_needs = check_kernel(kernel, policy.device, ctx.act_name, d.xreplace(graph.bindings))
         if node.attr("kernels") and kernel not in node.attr("kernels"):
+            here = [k for k in node.attr("kernels") if policy.device in ATTENTION.lookup(k).devices]
             raise ConfigError("attention", kernel, f"a kernel symmem models for {graph.name!r}'s attention "
-                              f"({', '.join(node.attr('kernels'))})",
+                              f"on {policy.device} ({', '.join(here)})",
                               f"Use --attention {node.attr('kernels')[0]} (attn_implementation="
                               f"\"{node.attr('kernels')[0]}\").")
         masked = node.attr("window") is not None and _masks_window(policy, graph)
