@@ -286,3 +286,30 @@ def test_padded_batches_with_sdpa_on_cuda():
     with pytest.raises(ConfigError) as e:
         sm.estimate(g, sm.Policy("bf16-mixed", "adamw", "cuda", attention="flash"))
     assert "flash_attention_2 unpads the batch" in str(e.value) and "--attention sdpa or eager" in str(e.value)
+
+
+@pytest.mark.parametrize("attention,precision", [("eager", "fp32"), ("sdpa", "bf16-mixed")])
+def test_without_token_type_ids(attention, precision):
+    """BERT called without token_type_ids (symmem's token_types: false): BertEmbeddings gathers
+    its zeros buffer at the positions, a (1, s) int64 tensor, expanded over the batch, which
+    the token-type embedding saves; the batch has no (b, s) int64 types. Saved bytes and the
+    step exact; against the same model called with them, the saved bytes are (b - 1) s * 8 =
+    128 lower (b = 2, s = 16: the (2, 16) types saved there, the (1, 16) gather here)."""
+    point = POINTS[0]
+    b, s, h, f, a, L, V = point
+    cfg, model = hf_bert(point, attention)
+    est = sm.estimate(sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation,
+                                                "token_types": False}),
+                      sm.Policy(precision, "adamw", "cpu", "for-loop"))
+    ids, _, mask, labels = mlm_batch(b, s, V, False)
+
+    def fwd():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            return model(ids, attention_mask=mask, labels=labels).loss
+    saved = saved_bytes(fwd, exclude=model).total
+    assert est.at(b=b, s=s).bytes["activations"] == saved
+    with_types = sm.estimate(graph_of(cfg), sm.Policy(precision, "adamw", "cpu", "for-loop"))
+    assert with_types.at(b=b, s=s).bytes["activations"] - saved == (b - 1) * s * 8
+    report = training_step(model, lambda m: fwd(), optimizer("adamw", "for-loop", model.parameters()),
+                           extra=(ids, mask, labels))
+    assert_step_exact(est, report, b, s)

@@ -10,7 +10,8 @@ The model (transformers 5.24's ``modeling_bert.py``):
 
 * ``BertEmbeddings``: word, token-type and learned position embeddings summed, LayerNorm,
   dropout (``hidden_dropout_prob``); the position ids are a slice of the module's
-  ``position_ids`` buffer; two int64 buffers (``position_ids``, ``token_type_ids``) of
+  ``position_ids`` buffer; called without token types (symmem's ``token_types: false``) it
+  gathers its ``token_type_ids`` buffer at them, (1, s) expanded over the batch; two int64 buffers (``position_ids``, ``token_type_ids``) of
   ``max_position_embeddings`` entries each;
 * the attention mask: ``create_bidirectional_mask`` (:func:`~symmem.rules.encoders.padding_mask_rule`);
   without padding (symmem's ``padded: false``, the default: texts packed into full
@@ -53,7 +54,7 @@ __all__ = ["BertConfig", "build_bert", "ACTIVATIONS", "PRESETS", "HF_IDS", "ALIA
            "IGNORED", "FAMILY", "SYMMEM_FIELDS"]
 
 #: Fields symmem adds to transformers' BertConfig (a config.json may set them too).
-SYMMEM_FIELDS = ("padded",)
+SYMMEM_FIELDS = ("padded", "token_types")
 
 #: Hugging Face activation names -> the op symmem models them with.
 ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu_new", "relu": "relu"}
@@ -64,7 +65,11 @@ class BertConfig:
     """The fields of Hugging Face's BertConfig that decide memory, with its defaults
     (bert-base-uncased's shape). ``padded`` (symmem's, not transformers'): the batches carry
     padding (some ``attention_mask`` entry is 0), so transformers materialises a
-    (b, 1, s, s) mask (additive for eager, boolean for SDPA); false: full sequences, no mask."""
+    (b, 1, s, s) mask (additive for eager, boolean for SDPA); false: full sequences, no mask.
+    ``token_types`` (symmem's too): the batches carry ``token_type_ids`` (a tokenizer's output,
+    the default); false: the model is called without them and ``BertEmbeddings`` gathers its
+    zeros buffer at the positions, a (1, s) int64 tensor the embedding saves, expanded over the
+    batch (no (b, s) int64 input)."""
     vocab_size: int = 30522
     hidden_size: int = 768
     num_hidden_layers: int = 12
@@ -78,6 +83,7 @@ class BertConfig:
     tie_word_embeddings: bool = True
     attn_implementation: str | None = None
     padded: bool = False
+    token_types: bool = True
     name: str = "bert"
 
     def __post_init__(self):
@@ -88,7 +94,7 @@ class BertConfig:
                             "is an integer; transformers refuses it too (BertSelfAttention).")
         checks.known("hidden_act", self.hidden_act, ACTIVATIONS)
         checks.probabilities(self, "hidden_dropout_prob", "attention_probs_dropout_prob")
-        checks.booleans(self, "tie_word_embeddings", "padded")
+        checks.booleans(self, "tie_word_embeddings", "padded", "token_types")
         checks.attn_implementation(self)
         if not self.tie_word_embeddings:
             raise ConfigError("tie_word_embeddings", False, "true, the only value symmem models (untied, "
@@ -113,12 +119,15 @@ def build_bert(cfg: BertConfig) -> Graph:
     g.require(a, h, "the attention heads split the hidden size evenly", kind="divides")
     # the batch: token ids, token types, the attention mask and the MLM labels (b, s) each
     ids = g.input("input_ids", (b, s))
-    types = g.input("token_type_ids", (b, s))
+    types = g.input("token_type_ids", (b, s)) if cfg.token_types else None
     mask_2d = g.input("attention_mask", (b, s))
     labels = g.input("labels", (b, s))
     # BertEmbeddings' buffers: position_ids (arange) and token_type_ids (zeros), int64
     pos_buffer = g.buffer("embeddings.position_ids", (1, s_max), dtype="int64")
-    g.buffer("embeddings.token_type_ids", (1, s_max), dtype="int64")
+    type_buffer = g.buffer("embeddings.token_type_ids", (1, s_max), dtype="int64")
+    if types is None:   # called without them: the buffer gathered at the positions, expanded over the batch
+        types = g.add("mask_expand", g.add("buffer_slice", type_buffer, ids, gather=True, name="embeddings/token_types"),
+                      ids, name="embeddings/token_types_expanded")
     word = g.param("embeddings.word_embeddings.weight", (V, h))
     positions = g.add("buffer_slice", pos_buffer, ids, name="embeddings/position_ids")
     x_word = g.add("embedding", ids, params=(word,), name="embeddings/word")

@@ -14,10 +14,12 @@ __all__ = ["buffer_slice_rule", "padding_mask_rule", "cross_entropy_cast_rule"]
 def buffer_slice_rule(node, ins, ctx):
     """``buffer[:, :s]`` of a (1, n) buffer, s the last dimension of the second input (the
     token ids): BertEmbeddings' ``self.position_ids[:, :seq_length]``. A view: nothing
-    allocated, nothing saved, no gradient."""
+    allocated, nothing saved, no gradient. Attribute ``gather``: a new tensor of that shape
+    instead, BertEmbeddings' token types without ``token_type_ids``,
+    ``torch.gather(self.token_type_ids.expand(1, -1), 1, position_ids)`` (8 s bytes)."""
     buf, ids = ins
     out = TensorInfo(tuple(buf.shape[:-1]) + (ids.shape[-1],), buf.dtype, True, False)
-    return Footprint(out, alias=0, grads=(None, None))
+    return Footprint(out, alias=None if node.attr("gather") else 0, grads=(None, None))
 
 
 @rule("padding_mask")

@@ -37,7 +37,8 @@ def window_mask_rule(node, ins, ctx):
 @rule("mask_expand")
 def mask_expand_rule(node, ins, ctx):
     """``attention_mask.expand(b, -1, s, s)`` of a (1, 1, s, s) mask, the batch taken from the
-    (b, s) ids: a view (stride 0 over the batch), nothing allocated."""
+    (b, s) ids: a view (stride 0 over the batch), nothing allocated. Also BERT's token types
+    from its buffer, ``buffered_token_type_ids.expand(b, s)`` of a (1, s) slice."""
     mask, ids = ins
     out = TensorInfo((ids.shape[0],) + tuple(mask.shape[1:]), mask.dtype, False, False)
     return Footprint(out, alias=0, grads=(None, None))
