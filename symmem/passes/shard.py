@@ -369,14 +369,8 @@ class _Shard:
                 current = None
                 continue
             if isinstance(e, Backward):
-                inner, made = [], []
-                for x in e.events:
-                    if isinstance(x, Alloc) and x.role == "grads":
-                        made.append(x)
-                        x = replace(x, key=Key("full grad", x.key.name, x.key.copy), role="transient")
-                    inner.append(x)
+                e, made = _full_grads(e)
                 full.setdefault(current, []).extend(made)
-                e = replace(e, events=tuple(inner))
             out.append(e)
         tail = [Free(Key("gathered", "root"), self.root, "params")]
         tail += self._reduce(full.pop(None, []), None, device_grads)
@@ -416,17 +410,11 @@ class _Shard:
                 current = None
                 continue
             if isinstance(e, Backward):
-                inner, made = [], []
-                for x in e.events:
-                    if isinstance(x, Alloc) and x.role == "grads":
-                        made.append(x)
-                        x = replace(x, key=Key("full grad", x.key.name, x.key.copy), role="transient")
-                    inner.append(x)
+                e, made = _full_grads(e)
                 if self.gather is None:      # DeepSpeed ZeRO-2: into the ipg bucket as each hook fires
-                    inner += self._reduce(made, None, device_grads)
+                    e = replace(e, events=e.events + tuple(self._reduce(made, None, device_grads)))
                 else:
                     full.setdefault(current, []).extend(made)
-                e = replace(e, events=tuple(inner))
             out.append(e)
         tail = self._reduce(full.pop(None, []), None, device_grads)
         if self.gather is not None:
@@ -505,3 +493,15 @@ class _Shard:
                 continue
             out.append(e)
         return tuple(out)
+
+
+def _full_grads(e: Backward) -> tuple:
+    """A node's backward with the parameter gradients it makes turned into whole, transient
+    gradients (``full grad``: reduced into the rank's shard later), and those allocations."""
+    inner, made = [], []
+    for x in e.events:
+        if isinstance(x, Alloc) and x.role == "grads":
+            made.append(x)
+            x = replace(x, key=Key("full grad", x.key.name, x.key.copy), role="transient")
+        inner.append(x)
+    return replace(e, events=tuple(inner)), made
