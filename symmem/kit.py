@@ -121,8 +121,11 @@ def answer(argv: list[str]) -> int | None:
     view = evaluate(kit, t[1])
     if view is None:
         return None
-    sys.stdout.write(render(view) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(render(view) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:     # the reader stopped early (`symmem ... | head`): not an error
+        sys.stdout = None
     return 0
 
 
