@@ -59,14 +59,16 @@ def hf_model(family, point, attention):
     return cfg, model_class(cfg).eval()
 
 
-def assert_generation_exact(est, model, precision, b, s, n_g, V, static=None, logits="last", fp8=False):
+def assert_generation_exact(est, model, precision, b, s, n_g, V):
     """The prefill's and the decoding step's peaks, each phase's own maximum over the estimate's
-    timeline, and the cache, to the byte."""
+    timeline, and the cache, to the byte; generated with the estimate's cache and logits (a
+    static cache of its max_cache_len, s + n_g by default, as generate sizes it)."""
+    pol = est.policy
     if b == 1:                  # b = 1 reshapes some copies into views (Estimate.at_one)
         est = est.at_one
     ids = torch.randint(0, V, (b, s))
-    cache = "static" if static else "fp8" if fp8 else "dynamic"
-    prefill, decode, cached = generation(model, ids, n_g, cache=cache, max_cache_len=static, logits=logits,
+    length = (pol.max_cache_len or s + n_g) if pol.cache == "static" else None
+    prefill, decode, cached = generation(model, ids, n_g, cache=pol.cache, max_cache_len=length, logits=pol.logits,
                                          autocast=torch.bfloat16 if precision == "bf16-mixed" else None)
     subs = est._subs({"b": b, "s": s, "n_g": n_g})
     predicted = {step: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == step)
@@ -163,7 +165,7 @@ def test_static_cache_exact(family, point, attention, precision, n_g, max_len, l
     # OPT's keys are not rotated (bfloat16)
     B_k, B_v = {"fp32": (4, 4), "bf16": (2, 2), "bf16-mixed": (2 if family.startswith("opt") else 4, 2)}[precision]
     assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == L * b * k * T * (h // a) * (B_k + B_v) + 8 * L
-    assert_generation_exact(est, model, precision, b, s, n_g, V, static=T, logits=logits)
+    assert_generation_exact(est, model, precision, b, s, n_g, V)
 
 
 # (family, point, attention, precision, n_g); no autocast, which cannot concatenate fp8 tensors
@@ -190,7 +192,7 @@ def test_fp8_cache_exact(family, point, attention, precision, n_g):
     # 1 byte an element of the keys and the values of s + n_g positions, and each tensor's
     # float32 scale: e.g. llama b2 s8 n3, 2 kv heads of 8 in 2 layers: 2*2*2*11*8*2 + 4*4 = 1,424
     assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == 2 * L * b * kv * (s + n_g) * (h // a) + 8 * L
-    assert_generation_exact(est, model, precision, b, s, n_g, V, fp8=True)
+    assert_generation_exact(est, model, precision, b, s, n_g, V)
 
 
 # a vocabulary large enough for the prefill's logits to be its peak: (b, s, h, f, a, k, L, V)
@@ -207,7 +209,7 @@ def test_logits_to_keep(family, attention, precision):
     peaks = {}
     for logits in ("last", "all"):
         est = sm.estimate(graph, sm.Policy(precision, device="cpu", mode="inference", logits=logits))
-        assert_generation_exact(est, model, precision, b, s, 1, V, logits=logits)
+        assert_generation_exact(est, model, precision, b, s, 1, V)
         peaks[logits] = est.at(b=b, s=s, n_g=1).peak
     # both measured exact above; the last position's logits make the prefill smaller
     assert peaks["last"] < peaks["all"]

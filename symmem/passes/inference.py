@@ -462,30 +462,24 @@ def _fp8_update(g: Graph, put_new, base: str, key: str, value: str, length, deco
       reads; the states handed in, the quantized new positions and (in the plan, from the
       inference pass) the previous fp8 tensors live until update returns, after the values'
       dequantization."""
-    made = {}
-    if not decode:
-        for states, which in ((key, "k"), (value, "v")):
-            shape = g._lookup_shape(states)
-            scale = put_new(Node(f"{base}{which}_scale", "kv_fp8_scale", (states,), shape=()))
-            heads = _cached_heads(g, shape)
-            put_new(Node(f"{base}{which}_cache", "kv_cache", (states, scale),
-                         attrs=(("fp8", "calibrated"), ("kv_heads", heads), ("length", length), ("which", which)),
-                         shape=(shape[0], heads, length, shape[3])))
-        return {}, []
-    for states, which in ((key, "k"), (value, "v")):
-        made[which] = put_new(Node(f"{base}{which}_new", "kv_fp8_quantize", (states,),
-                                   shape=g._lookup_shape(states)))
-    for states, which in ((key, "k"), (value, "v")):
+    pairs = ((key, "k"), (value, "v"))
+
+    def cache(states, which, inputs, fp8):
         shape = g._lookup_shape(states)
         heads = _cached_heads(g, shape)
-        made[which + "c"] = put_new(Node(f"{base}{which}_cache", "kv_cache", (made[which],),
-                                         attrs=(("fp8", "append"), ("kv_heads", heads), ("length", length),
-                                                ("which", which)),
-                                         shape=(shape[0], heads, length, shape[3])))
-    returned = {}
-    for states, which in ((key, "k"), (value, "v")):
-        cache = made[which + "c"]
-        returned[states] = put_new(Node(f"{base}{which}_dequantize", "kv_fp8_dequantize", (cache, states),
-                                        shape=g._lookup_shape(cache)))
+        return put_new(Node(f"{base}{which}_cache", "kv_cache", inputs,
+                            attrs=(("fp8", fp8), ("kv_heads", heads), ("length", length), ("which", which)),
+                            shape=(shape[0], heads, length, shape[3])))
+    if not decode:
+        for states, which in pairs:
+            scale = put_new(Node(f"{base}{which}_scale", "kv_fp8_scale", (states,), shape=()))
+            cache(states, which, (states, scale), "calibrated")
+        return {}, []
+    new = [put_new(Node(f"{base}{which}_new", "kv_fp8_quantize", (states,), shape=g._lookup_shape(states)))
+           for states, which in pairs]
+    cached = [cache(states, which, (n,), "append") for (states, which), n in zip(pairs, new)]
+    returned = {states: put_new(Node(f"{base}{which}_dequantize", "kv_fp8_dequantize", (c, states),
+                                     shape=g._lookup_shape(c)))
+                for (states, which), c in zip(pairs, cached)}
     end = returned[value]
-    return returned, [(key, end), (value, end), (made["k"], end), (made["v"], end)]
+    return returned, [(key, end), (value, end), *((n, end) for n in new)]
