@@ -501,7 +501,8 @@ def _llama_loss(ids):
     return lambda m: m(ids, labels=ids).loss
 
 
-def _llama_setup(kind, wrap):
+def _llama_setup(kind, wrap, mixed=False):
+    """``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``."""
     def setup(rank, world_size):
         model, ids = _llama()
         if wrap == "ddp":
@@ -509,13 +510,15 @@ def _llama_setup(kind, wrap):
             model = DistributedDataParallel(model)
         else:
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             mesh = init_device_mesh("cpu", (world_size,))
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
+                else MixedPrecisionPolicy()
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, reshard_after_forward=wrap == "full")
+                fully_shard(layer, mesh=mesh, reshard_after_forward=wrap == "full", mp_policy=mp)
             # the root as fully_shard's default leaves it: not resharded after forward (its
             # parameters would be all-gathered again at once for backward)
-            fully_shard(model, mesh=mesh)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
             for module in (*model.model.layers, model):
                 _reproducible_collectives(module)
         return RankSetup(model, _llama_loss(ids), _optimizer(kind, model.parameters()), [ids])
@@ -640,6 +643,49 @@ def test_llama_fsdp2_four_ranks_is_symmems():
     subs = est._subs({"b": 2, "s": 8})
     assert {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
             for ph in ("forward", "backward", "optimizer")} == expected
+
+
+def test_llama_fsdp2_mixed_precision_is_symmems_bf16_master():
+    # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), AdamW, 2 ranks: symmem's
+    # bf16-master under --fsdp. The shards, their gradients and AdamW's states stay float32, as
+    # in test_llama_fsdp2_rank_is_symmems (17,312 / 17,312 / 34,708 bytes on rank 0), and so do
+    # the buffers (FSDP casts what it gathers, not the rotary's inv_freq: 32 bytes); the step
+    # runs on the float32 shards, no cast copy of the gradients. What is gathered is bfloat16,
+    # half the float32 units: the root 6,432, a layer 5,440.
+    import symmem as sm
+    model, _ = _llama()
+    graph = sm.models.from_hf_config(model.config.to_dict())
+    start = 17_312 + 34_708 + 32 + 128                   # 52,180, as in float32
+    root, layer = LLAMA_ROOT // 2, LLAMA_LAYER // 2
+    for wrap in ("full", "grad-op"):
+        ranks = distributed_step(_llama_setup("adamw", wrap, mixed=True), 2)
+        assert [(r.params, r.grads, r.optimizer_state) for r in ranks] == [(17_312, 17_312, 34_708),
+                                                                           (17_312, 17_312, 34_452)]
+        est = sm.estimate(graph, sm.Policy("bf16-master", "adamw", "cpu", "for-loop", attention="eager",
+                                           parallel=f"dp=2,fsdp={wrap}"))
+        subs = est._subs({"b": 2, "s": 8})
+        assert est.at(b=2, s=8).bytes["params"] + est.at(b=2, s=8).bytes["buffers"] == 17_312 + 32
+        predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+                     for ph in ("forward", "backward", "optimizer")}
+        measured = ranks[0].step
+        assert measured.at_start == start
+        assert measured.phase_peaks == predicted, wrap
+        # forward, at the cross entropy: the root whole and the last layer's all-gather output in
+        # bfloat16 beside the activations, 44,360 bytes (59,880 in float32; the logits are
+        # upcast to float32 for the loss); grad-op keeps both layers whole, 2 * 5,440 more
+        assert predicted["forward"] == start + root + layer + 44_360 + (2 * layer if wrap == "grad-op" else 0)
+        # the optimizer's maximum is float32's: the shards, gradient shards and the head's step
+        assert predicted["optimizer"] == 75_928
+        # Every all-gather, as symmem places it: the cast copy of the unit's shard (half the
+        # unit on 2 ranks, beside the all-gather output: fsdp.all_gather_copy_in) and the
+        # copy-out into the unsharded parameters (fsdp.split_with_sizes_copy), forward and
+        # backward, each equal to the measured bytes at that operator.
+        ops = ("fsdp.all_gather_copy_in.default", "fsdp.split_with_sizes_copy.default")
+        gathers = [x.live_bytes for x in measured.timeline if x.op in ops]
+        assert [int(p.total.xreplace(subs)) for p in est.timeline if "all-gather" in p.where] == gathers
+        assert len(gathers) == {"full": 10, "grad-op": 6}[wrap]      # root + 2 layers, + 2 in backward
+    # forward / backward / optimizer: full 108,412 / 111,308 / 75,928; grad-op 119,292 / 116,748
+    assert tuple(predicted.values()) == (119_292, 116_748, 75_928)
 
 
 #: A two-layer Llama whose key-value heads (2) and vocabulary (100) split in two.

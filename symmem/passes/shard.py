@@ -68,8 +68,16 @@ What each layout changes, as the libraries allocate it:
   freed. The step runs on the local shards: the optimizer's temporaries of
   ``ceiling(dim0 / n)``-row parameters. No ipg bucket. Checked against measured FSDP2 runs
   (a two-layer Llama, SGD and AdamW, ``tests/test_dist_measured.py``). Gathered, reduced and
-  stepped in the precision's own dtypes: ``MixedPrecisionPolicy`` (float32 shards gathered
-  in bfloat16, reduced in float32) is no precision here, not modelled yet.
+  stepped in the precision's own dtypes, but for a half-precision model with a float32 master
+  copy (``bf16-master``, ``fp16-master``): under FSDP that is ``MixedPrecisionPolicy(
+  param_dtype=bfloat16, reduce_dtype=float32)`` (torchtitan's default), the model float32 and
+  its float32 shards the master copy (no other). Each all-gather first casts the rank's shards
+  into one flat half-precision tensor (``flat_foreach_copy_input``, the unit's ``1 / n``,
+  until the all-gather is issued); the gathered units, the activations and the unsharded
+  gradients are half precision; the reduce-scatter input (``chunk_cat`` casts) and the
+  gradient shards are float32, stepped as they are (no cast copy); the buffers are not cast
+  (the rotary's ``inv_freq`` stays float32). Checked the same way, every all-gather's moment
+  included (``test_llama_fsdp2_mixed_precision_is_symmems_bf16_master``).
 - **FSDP grad-op** (``reshard_after_forward=False``, SHARD_GRAD_OP): as full, but a unit
   gathered in forward stays whole until its backward has run (all of them at the end of
   forward: ZeRO-2's peak), and nothing is gathered in backward.
@@ -91,7 +99,7 @@ import sympy as sp
 from ..lowering import grad_bytes, weight_bytes
 from ..plan import Alloc, Backward, Begin, End, Free, Key, Mark, Plan
 from ..requirements import Requirement
-from ..symbols import B_g, d
+from ..symbols import B_a, B_g, B_m, B_w, d
 
 __all__ = ["prepare", "apply", "unit_bytes", "padded_rows"]
 
@@ -169,6 +177,15 @@ class _Shard:
             self.units, self.root, *_ = unit_bytes(graph)
         self.bucket = ZERO if self.fsdp else sp.Integer(par.reduce_bucket) * B_g
         self.scattering = None    # FSDP: the reduce-scatter input kept until the next unit reduces
+        #: FSDP2's MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32): a half-precision
+        #: model with a float32 master copy, sharded by FSDP (``bf16-master``, ``fp16-master``)
+        self.mp = self.fsdp and bool(policy.prec.master) and not policy.prec.fp8
+
+    def _master(self, nbytes):
+        """``nbytes`` priced in the master dtype (float32) under FSDP's mixed precision: the
+        shards, their gradients, the reduce-scatter and the buffers (FSDP casts the
+        parameters it gathers, not the buffers) stay in the model's own float32."""
+        return nbytes.xreplace({B_w: B_m, B_g: B_m, B_a: B_m}) if self.mp else nbytes
 
     def _shard(self, name: str, nbytes):
         """A rank's part of the storage ``nbytes`` of parameter ``name`` (its state, gradient):
@@ -184,6 +201,10 @@ class _Shard:
         master_grads = comps.get("master", ZERO)     # the step's float32 copy of the gradients
         states = []
         for e in plan.states:
+            if self.mp and isinstance(e, Alloc) and e.role in ("params", "buffers"):
+                e = replace(e, nbytes=self._master(e.nbytes))
+            if self.mp and isinstance(e, Alloc) and e.role == "master":
+                continue            # the float32 shards are the parameters
             if isinstance(e, Alloc) and e.role in ("master", "optimizer") and self.stage >= 1:
                 if par.offload_optimizer:
                     continue
@@ -200,9 +221,12 @@ class _Shard:
                 shard[k] = sp.expand(sum((e.count * (e.nbytes if e.key.kind == "step" else
                                                      self._shard(e.key.name, e.nbytes))
                                           for e in plan.states if isinstance(e, Alloc) and e.role == k), ZERO))
-            shard["grads"] = sp.expand(sum((grad_bytes(p) * m * padded_rows(p, n)
+            shard["grads"] = sp.expand(sum((self._master(grad_bytes(p)) * m * padded_rows(p, n)
                                             for p, m in self.graph.params() if p.trainable), ZERO))
-            master_grads = shard["master"] if master_grads != 0 else ZERO
+            master_grads = shard["master"] if master_grads != 0 and not self.mp else ZERO
+            if self.mp:
+                shard["params"], shard["master"] = self._master(shard["params"]), ZERO
+                comps["buffers"] = self._master(comps.get("buffers", ZERO))
         if par.offload_optimizer:
             host += shard["master"] + shard["optimizer"]
             # the gradient partition the host steps with, in the master dtype (float32) when there is one
@@ -290,8 +314,8 @@ class _Shard:
         of backward (its default), each layer's are freed at its end (full shard) or stay whole
         until its backward (grad-op)."""
         root = Key("all-gather output", "root")
-        out = [Alloc(Key("gathered", "root"), self.root, "params"), Alloc(root, self.root, "params"),
-               Mark("forward", "all-gather root")]
+        out = [Alloc(root, self.root, "params"), *self._copy_in("forward", "root", self.root),
+               Alloc(Key("gathered", "root"), self.root, "params"), Mark("forward", "all-gather root")]
         held = (root, self.root)      # the all-gather output kept outside a block
         prev = ZERO
         for i, e in enumerate(events):
@@ -301,6 +325,7 @@ class _Shard:
                     out.append(Free(held[0], held[1], "params"))
                     prev, held = held[1], None
                 out += [e, Alloc(Key("all-gather output", f"{e.block} (forward)"), unit, "params"),
+                        *self._copy_in("forward", e.block, unit, (("params", prev),)),
                         Alloc(Key("gathered", f"{e.block} (forward)"), unit, "params"),
                         # the copy-out: the previous unit's output is let go after it
                         Mark("forward", f"all-gather {e.block}", (("params", prev),))]
@@ -326,6 +351,15 @@ class _Shard:
             out.append(Free(held[0], held[1], "params"))
         return tuple(out)
 
+    def _copy_in(self, phase: str, block: str, unit, extra=()) -> list:
+        """Under mixed precision, the moment of a unit's all-gather: its rank's shards are
+        first cast into one flat half-precision tensor (``_get_param_all_gather_inputs``'s
+        ``flat_foreach_copy_input``), the unit's ``1 / n``, held beside the all-gather output
+        until ``foreach_all_gather`` returns; in float32 the shards are sent as they are."""
+        if not self.mp:
+            return []
+        return [Mark(phase, f"all-gather copy-in {block}", tuple(extra) + (("transient", unit / self.n),))]
+
     def _backward_fsdp(self, events, device_grads: bool) -> tuple:
         """FSDP2's backward: a unit's all-gather is issued by the pre-backward of the one
         before it in backward (the root's for the first: ``default_prefetch``), its output
@@ -339,7 +373,8 @@ class _Shard:
             first = self.units[begins[0][0]]
             at = 1 if events and isinstance(events[0], Alloc) else 0
             out += list(events[:at]) + [Alloc(Key("all-gather output", f"{begins[0][0]} (prefetched)"),
-                                              first, "params")]
+                                              first, "params"),
+                                        *self._copy_in("backward", begins[0][0], first)]
             events = events[at:]
         i = 0
         for e in events:
@@ -350,14 +385,14 @@ class _Shard:
                     unit = self.units[e.block]
                     own = Key("all-gather output", f"{e.block} (backward)")
                     if not ahead:
-                        out.append(Alloc(own, unit, "params"))
+                        out += [Alloc(own, unit, "params"), *self._copy_in("backward", e.block, unit)]
                     out += [Alloc(Key("gathered", f"{e.block} (backward)"), unit, "params"),
                             Mark("backward", f"all-gather {e.block}"),
                             Free(own, unit, "params")]
                     if ahead and i + 1 < len(begins):
                         nxt = begins[i + 1][0]
-                        out.append(Alloc(Key("all-gather output", f"{nxt} (prefetched)"), self.units[nxt],
-                                         "params"))
+                        out += [Alloc(Key("all-gather output", f"{nxt} (prefetched)"), self.units[nxt], "params"),
+                                *self._copy_in("backward", nxt, self.units[nxt])]
                 i += 1
                 continue
             if isinstance(e, End):
@@ -436,13 +471,14 @@ class _Shard:
             # copied padded into one flat input (chunk_cat), kept until the next unit reduces
             if self.scattering is not None:
                 out.append(Free(self.scattering[0], self.scattering[1], "transient"))
-            total = sp.expand(sum((x.nbytes * self.n * self._shard(x.key.name, 1) for x in made), ZERO))
+            total = sp.expand(sum((self._master(x.nbytes) * self.n * self._shard(x.key.name, 1) for x in made),
+                                  ZERO))
             self.scattering = (Key("reduce-scatter input", block or "root"), total)
             out += [Alloc(self.scattering[0], total, "transient"),
                     Mark("backward", f"reduce-scatter {block or 'root'}")]
         out += [Free(Key("full grad", x.key.name, x.key.copy), x.nbytes, "transient") for x in made]
         if device_grads and (self.fsdp or self.stage < 3):     # ZeRO-3's partition exists from the start
-            out += [Alloc(x.key, self._shard(x.key.name, x.nbytes), "grads") for x in made]
+            out += [Alloc(x.key, self._shard(x.key.name, self._master(x.nbytes)), "grads") for x in made]
         return out
 
     # ----- the step -------------------------------------------------------------------------
@@ -484,6 +520,8 @@ class _Shard:
                               ZERO))
         out = []
         for e in events:
+            if isinstance(e, Alloc) and e.key.kind == "master grads" and self.mp:
+                continue        # the gradient shards are float32 already: stepped as they are
             if isinstance(e, Alloc) and e.key.kind == "master grads":     # the rank's float32 copy
                 local_numel = sp.expand(sum((p.numel * m for p, m in trained if p.dtype is None), ZERO))
                 e = replace(e, nbytes=sp.expand(e.nbytes / whole * local_numel))

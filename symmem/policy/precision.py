@@ -79,9 +79,12 @@ for _p in (
     Precision("bf16-master", _2, _2, _4, _2, False, "bfloat16",
               "bfloat16 weights, gradients and activations, with a float32 master copy and float32 "
               "optimizer states (Megatron-LM, DeepSpeed, Apex O2); the step casts the gradients to "
-              "float32 (one float32 copy of all of them)"),
+              "float32 (one float32 copy of all of them). Under FSDP: MixedPrecisionPolicy("
+              "param_dtype=bfloat16, reduce_dtype=float32), the float32 shards the master copy, "
+              "gathered in bfloat16, the gradient shards float32"),
     Precision("fp16-master", _2, _2, _4, _2, False, "float16",
-              "as bf16-master, in float16 (the loss scaler's scalars are not counted)"),
+              "as bf16-master, in float16 (the loss scaler's scalars are not counted); under FSDP "
+              "MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)"),
     Precision("fp8", _2, _2, _4, _2, False, "bfloat16",
               "Transformer Engine FP8 training as Megatron-LM runs it: as bf16-master, with every linear "
               "layer but the output head a te.Linear under te.autocast(DelayedScaling()) on Hopper: FP8 "
