@@ -18,7 +18,7 @@ from .errors import ConfigError
 from .graph import Graph
 from .policy import Policy
 from .policy.attention import resolve
-from .bounds import (_sorted, covers, merged_terms, monomials, product, provably_nonneg, prune, prune_terms, terms, terms_nonneg,
+from .bounds import (_sorted, covers, merged_terms, monomials, product, provably_nonneg, prune, prune_terms, sort_key, terms, terms_nonneg,
                      terms_samples, total)
 from .counter import Point, Timeline, count
 from . import exact, passes
@@ -93,10 +93,12 @@ def _grouped(key: frozenset, c) -> tuple:
 
 
 def largest(args) -> sp.Expr:
-    """``sympy.Max(*args, evaluate=False)``, the same object: its arguments in the order
-    sympy's ``ordered`` gives (by node count, ties by ``default_sort_key``), each node count
-    read once per shared subexpression (the candidates of a peak share most of their terms;
-    ``ordered`` walks each whole tree)."""
+    """``sympy.Max(*args, evaluate=False)``: its arguments by node count, as sympy's
+    ``ordered`` puts them, each node count read once per shared subexpression (the candidates
+    of a peak share most of their terms; ``ordered`` walks each whole tree); ties in
+    ``Basic.compare``'s order (:func:`~symmem.bounds.sort_key`, one key per object), where
+    ``ordered`` takes ``default_sort_key``, which evaluates every term's coefficient as a
+    complex number (1 s of t5-small's 1.3 s)."""
     argset = frozenset(args)
     if len(argset) < 2:
         return sp.Max(*args, evaluate=False)
@@ -106,7 +108,7 @@ def largest(args) -> sp.Expr:
     out = []
     for n in sorted(groups):
         group = groups[n]
-        out.extend(sorted(group, key=sp.default_sort_key) if len(group) > 1 else group)
+        out.extend(sorted(group, key=sort_key) if len(group) > 1 else group)
     obj = sp.Expr.__new__(sp.Max, *out)
     obj._argset = argset
     return obj
