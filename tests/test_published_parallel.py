@@ -161,6 +161,21 @@ def test_megatron_bytes_per_parameter(graph, w, g, precision, rebind, without, w
     assert sp.expand(per_param(graph, "dp=d,zero=1", precision, step=step, rebind=rebind) - with_) == 0
 
 
+def test_megatron_distributed_optimizer_per_tensor_parallel_rank(graph):
+    """Megatron's bytes per parameter count the parameters a rank holds: with tensor
+    parallelism its 1/t of every split linear and of the vocabulary, the norms whole. bf16
+    weights, float32 main_grad (B_g = 4), ZeRO-1 over d beside tp = t: 6 + 12/d per parameter
+    of the rank, t and the model's sizes cancelling."""
+    from symmem.symbols import B_w, t
+    e = sm.estimate(graph, sm.Policy(precision="bf16-master", parallel="tp=t,dp=d,zero=1"))
+    model = {k: v for k, v in e.bindings.items() if k not in (d, t)}
+    model[B_g] = 4
+    states = sum(e.components[k] for k in ("params", "grads", "master", "optimizer")).xreplace(model)
+    own = (e.components["params"] / B_w).xreplace(model)      # the rank's parameters
+    assert t in own.free_symbols
+    assert sp.cancel(states / own - (6 + 12 / d)) == 0
+
+
 # ----------------------------------------------------------------------------- the seed's claim
 
 def test_seed_claim_zero3_175b_on_128_gpus(graph):

@@ -80,14 +80,54 @@ def test_bad_layouts_are_refused_with_the_values():
         sm.estimate(g, sm.Policy("bf16-mixed", "adamw", parallel="tp=3")).at(b=1, s=128)
     with pytest.raises(ConfigError, match=r"sp = True is not valid: expected tensor parallelism beside it"):
         sm.Policy("bf16-mixed", "adamw", parallel="sp=1")
-    with pytest.raises(ConfigError, match="expected 1 with ZeRO, FSDP or offload"):
-        sm.estimate(g, sm.Policy("bf16-mixed", "adamw", parallel="tp=2,dp=2,zero=3"))
+    for layout in ("tp=2,dp=2,zero=3", "tp=2,dp=2,fsdp=full", "tp=2,dp=2,fsdp=grad-op"):
+        with pytest.raises(ConfigError, match="expected 1 with ZeRO-3, FSDP or parameter offload"):
+            sm.estimate(g, sm.Policy("bf16-mixed", "adamw", parallel=layout))
     with pytest.raises(ConfigError, match="expected 1 with lora"):
         sm.estimate(g, sm.Policy("bf16-mixed", "adamw", lora=8, parallel="tp=2"))
     with pytest.raises(ConfigError, match="expected 1 for resnet-50: it has no attention or MLP layer"):
         sm.estimate(sm.models.preset("resnet-50"), sm.Policy("bf16-mixed", "sgd", parallel="tp=2"))
     with pytest.raises(ConfigError, match="parallel with --mode inference = 'tp=2' is not valid"):
         sm.estimate(g, sm.Policy("bf16", "adamw", mode="inference", parallel="tp=2"))
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_beside_tensor_parallelism_shards_the_ranks_own_states(gelu_gpt2, zero):
+    """ZeRO 1-2 over d ranks, each a tensor-parallel rank (Megatron-DeepSpeed; Megatron's
+    distributed optimizer is ZeRO-1): the rank's master copy and optimizer states (and from
+    stage 2 its gradients) are its tensor-parallel states / d; the step's float32 gradients
+    too. ZeRO-1's forward is the tensor-parallel rank's at every moment, less those states."""
+    policy = dict(precision="bf16-master", optimizer="adamw", device="cuda", attention="eager")
+    tp = sm.estimate(gelu_gpt2, sm.Policy(**policy, parallel="tp=t,sp=1"))
+    zr = sm.estimate(gelu_gpt2, sm.Policy(**policy, parallel=f"tp=t,sp=1,dp=d,zero={zero}"))
+    d = sm.symbols.d
+    sharded = ("master", "optimizer") + (("grads",) if zero == 2 else ())
+    for k in ("params", "grads", "master", "optimizer"):
+        assert sp.expand(zr.components[k] - tp.components[k] / (d if k in sharded else 1)) == 0, k
+    saved = sp.expand(sum(tp.components[k] for k in ("master", "optimizer")) * (1 - 1 / d))
+    if zero == 1:
+        fwd = [(p.where, p.total) for p in tp.timeline if p.phase == "forward"]
+        assert [(p.where, sp.expand(p.total + saved)) for p in zr.timeline if p.phase == "forward"] == \
+            [(w, sp.expand(x)) for w, x in fwd]
+    # the step's float32 copy of the gradients: the rank's partition
+    from symmem.plan import Alloc
+    whole, part = [[e.nbytes for e in x.plan.optimizer if isinstance(e, Alloc) and e.key.kind == "master grads"]
+                   for x in (tp, zr)]
+    assert len(whole) == len(part) == 1 and sp.expand(whole[0] - part[0] * d) == 0
+    # ZeRO-Offload: the partitions of the master copy, the states and the float32 gradients on
+    # the host, as much of the rank's as ZeRO-1 or 2 keeps on the device
+    off = sm.estimate(gelu_gpt2, sm.Policy(**policy, parallel=f"tp=t,sp=1,dp=d,zero={zero},offload=optimizer"))
+    host = (2 * tp.components["master"] + tp.components["optimizer"]) / d
+    assert sp.expand(off.components["host"] - host) == 0 and off.components["master"] == 0
+    # llama-2-7b at t = 8, d = 4: the rank's 842,534,912 parameters ((6,738,415,616 - 266,240
+    # norms) / 8 + 266,240), bfloat16 weights and gradients 2 bytes each, master 4 / 4 and
+    # AdamW 8 / 4 a parameter: 1,685,069,824 + 1,685,069,824 (ZeRO-2: / 4) + 842,534,912 +
+    # 1,685,069,824 bytes
+    ev = sm.estimate(sm.models.preset("llama-2-7b"),
+                     sm.Policy(**policy, parallel=f"tp=8,sp=1,dp=4,zero={zero}")).at(b=1, s=4096)
+    n = 842_534_912
+    assert [ev.bytes[k] for k in ("params", "grads", "master", "optimizer")] == \
+        [2 * n, 2 * n // (4 if zero == 2 else 1), n, 2 * n]
 
 
 def test_smallest_tensor_parallel_degree_that_fits():

@@ -83,10 +83,11 @@ def _kind(node: Node) -> str | None:
 
 
 def _check(graph, policy) -> None:
-    if policy.parallel.sharded or policy.parallel.offload != "none":
-        raise ConfigError("tp", str(policy.parallel.tp), "1 with ZeRO, FSDP or offload (their units of "
-                          "split parameters are not modelled yet)", "Leave --tp out, or use it with plain "
-                          "data parallelism (--dp) only.")
+    par = policy.parallel
+    if par.stage == 3 or par.fsdp is not None or par.offload_params:
+        raise ConfigError("tp", str(par.tp), "1 with ZeRO-3, FSDP or parameter offload (their gathered units "
+                          "of split parameters are not modelled yet)", "Leave --tp out, or use it with DDP or "
+                          "ZeRO 1-2 (--zero 1|2: Megatron's distributed optimizer is ZeRO-1).")
     if not sharded_nodes(graph)[1]:
         raise ConfigError("tp", str(policy.parallel.tp), f"1 for {graph.name}: it has no attention or MLP "
                           "layer that Megatron splits (symmem.passes.tensor.COLUMN, ROW)", "Leave --tp out.")
