@@ -7,9 +7,8 @@ global batch, and tries every layout symmem models: GPU counts 1, 2, 4, ... up t
 the layers, 1F1B (Megatron's default schedule); with ``max_cp`` > 1, context parallelism over
 ``cp`` = 2, 4, ... ``max_cp`` ranks with ``2 cp | seq`` (torch's ring attention: long
 sequences); the rest data-parallel, ``dp = gpus / (tp * pp * cp)``; DDP, ZeRO 1-3 and FSDP full
-sharding (beside tensor parallelism DDP and ZeRO 1-2 only: ZeRO-3's and FSDP's gathered units of
-split parameters are not modelled yet; beside a pipeline DDP and ZeRO-1 only, as Megatron and
-DeepSpeed's pipeline engine allow); no recomputation, selective or full; and the largest micro-batch ``b`` dividing
+sharding (each of a tensor-parallel rank's own parameters; beside a pipeline DDP and ZeRO-1
+only, as Megatron and DeepSpeed's pipeline engine allow); no recomputation, selective or full; and the largest micro-batch ``b`` dividing
 ``global_batch / dp`` whose step fits, with ``k = global_batch / (dp * b)`` micro-batches
 accumulated (ZeRO 2 and 3 accumulate none: not modelled yet, so ``b = global_batch / dp``
 there; FSDP likewise) or, under a pipeline, run through it (``k >= pp``: fewer micro-batches
@@ -50,8 +49,6 @@ TENSOR = (1, 2, 4, 8)
 STATES = ("params", "buffers", "grads", "master", "optimizer")
 #: What a pipeline allows beside it (:func:`symmem.policy.Policy` refuses ZeRO 2-3 and FSDP).
 _PIPELINE_SHARDINGS = ("ddp", "zero-1")
-#: What tensor parallelism allows beside it (:mod:`symmem.passes.tensor` refuses ZeRO-3 and FSDP).
-_TENSOR_SHARDINGS = ("ddp", "zero-1", "zero-2")
 
 
 @dataclass(frozen=True)
@@ -153,9 +150,8 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
                     if global_batch % dp:
                         continue
                     for sharding, fields in SHARDINGS:
-                        if (tp > 1 and sharding not in _TENSOR_SHARDINGS) or (dp == 1 and fields) or \
-                                (pp > 1 and sharding not in _PIPELINE_SHARDINGS):
-                            continue            # ZeRO-3 or FSDP with tp; sharding one rank; ZeRO 2-3 beside a pipeline
+                        if (dp == 1 and fields) or (pp > 1 and sharding not in _PIPELINE_SHARDINGS):
+                            continue            # sharding one rank; ZeRO 2-3 beside a pipeline
                         if floor(dp, tp, pp, sharding) > bud.usable:
                             continue            # the states alone do not fit: nothing derived
                         for recompute in RECOMPUTE:

@@ -695,15 +695,17 @@ _TP_CONFIG = dict(hidden_size=16, intermediate_size=40, num_attention_heads=2, n
                   pad_token_id=None)
 
 
-def _llama_tp(precision):
-    return lambda rank, world_size: _llama_tp_rank(rank, world_size, precision)
+def _llama_tp(precision, fsdp=None, kind="sgd"):
+    return lambda rank, world_size: _llama_tp_rank(rank, world_size, precision, fsdp, kind)
 
 
-def _llama_tp_rank(rank, world_size, precision):
+def _llama_tp_rank(rank, world_size, precision, fsdp=None, kind="sgd"):
     """:data:`_TP_CONFIG`'s Llama under torch's tensor parallelism as Megatron splits it: q, k,
     v, gate, up ColwiseParallel; o, down RowwiseParallel; the embedding's rows RowwiseParallel;
     the head ColwiseParallel to logits sharded over the vocabulary, the cross entropy under
-    loss_parallel (its forward and its backward); bf16-mixed: the forward under autocast."""
+    loss_parallel (its forward and its backward); bf16-mixed: the forward under autocast.
+    ``fsdp`` ("full", "grad-op"): over 2 tensor-parallel ranks a (world_size / 2, 2) mesh, and
+    FSDP2 over its data-parallel dimension on each layer and the root (torchtitan's 2-D layout)."""
     transformers = pytest.importorskip("transformers")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
@@ -718,7 +720,17 @@ def _llama_tp_rank(rank, world_size, precision):
         plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in
                      ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")})
         plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ("self_attn.o_proj", "mlp.down_proj")})
-    model = parallelize_module(model, init_device_mesh("cpu", (world_size,)), plan)
+    if fsdp is None:
+        model = parallelize_module(model, init_device_mesh("cpu", (world_size,)), plan)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(model, mesh["tp"], plan)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=fsdp == "full")
+        fully_shard(model, mesh=mesh["dp"])
+        for module in (*model.model.layers, model):
+            _reproducible_collectives(module)
 
     class ParallelLoss:                 # what training_step calls backward() on
         def __init__(self, loss):
@@ -731,7 +743,7 @@ def _llama_tp_rank(rank, world_size, precision):
     def loss(m):
         with loss_parallel(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
             return ParallelLoss(m(ids, labels=ids).loss)
-    return RankSetup(model, loss, _optimizer("sgd", model.parameters()), [ids])
+    return RankSetup(model, loss, _optimizer(kind, model.parameters()), [ids])
 
 
 @pytest.mark.parametrize("precision,forward,unseen,largest", [
@@ -769,3 +781,43 @@ def test_llama_tensor_parallel_rank_is_symmems(precision, forward, unseen, large
         # whole (100, 16) table (6,400 bytes) where Megatron keeps the rank's rows (3,200)
         assert r.grads == 18_496 + 3_200
         assert r.step.phase_peaks["optimizer"] == predicted["optimizer"] + 3_200 == 40_356
+
+
+@pytest.mark.parametrize("wrap", ["full", "grad-op"])
+def test_llama_fsdp2_beside_tensor_parallel_rank_is_symmems(wrap):
+    # FSDP2 over 2 data-parallel ranks of 2 tensor-parallel ones (4 processes), AdamW. Each rank
+    # shards its tensor-parallel parameters (18,496 bytes, test above) in two, every dim 0 even
+    # (the embedding and head 50 local rows, 25 a rank): 9,248 bytes of parameters and of
+    # gradients; AdamW's states 2 * 9,248 + 21 step counters * 4 = 18,580. symmem's
+    # tp=2,dp=2,fsdp rank gathers and shards the tensor-parallel rank's own parameters.
+    import symmem as sm
+    ranks = distributed_step(_llama_tp("fp32", wrap, "adamw"), 4)
+    est = sm.estimate(sm.models.from_hf_config({"model_type": "llama", **_TP_CONFIG}),
+                      sm.Policy("fp32", "adamw", "cpu", "for-loop", attention="eager",
+                                parallel=f"tp=2,dp=2,fsdp={wrap}"))
+    subs = est._subs({"b": 2, "s": 8})
+    moments = {ph: [(p.where, int(p.total.xreplace(subs))) for p in est.timeline if p.phase == ph]
+               for ph in ("forward", "backward", "optimizer")}
+    predicted = {ph: max(v for _, v in m) for ph, m in moments.items()}
+    ev = est.at(b=2, s=8)
+    assert (ev.bytes["params"], ev.bytes["grads"], ev.bytes["optimizer"]) == (9_248, 9_248, 18_580)
+    for r in ranks:
+        assert (r.params, r.grads, r.optimizer_state) == (9_248, 9_248, 18_580)
+        assert r.step.at_start == 9_248 + 18_580 + 32 + 128      # and the rotary buffers, the ids
+        assert r.step.phase_peaks["forward"] == predicted["forward"]
+        assert r.step.phase_peaks["optimizer"] == predicted["optimizer"]
+        if wrap == "full":
+            # at layer 1's MLP backward, layer 0 prefetched beside it: a sample
+            assert r.step.phase_peaks["backward"] == predicted["backward"]
+        else:
+            # with every layer whole, symmem's maximum is the log_softmax's backward inside
+            # DTensor's dispatch (see the tensor-parallel test above): the sample before it plus
+            # its new 3,200-byte gradient; the measured maximum is symmem's largest other moment
+            ops = [x.op for x in r.step.timeline]
+            i = ops.index("aten._log_softmax_backward_data.default")
+            assert predicted["backward"] == r.step.timeline[i - 1].live_bytes + 3_200
+            others = [v for where, v in moments["backward"] if where != "backward log_softmax"]
+            assert r.step.phase_peaks["backward"] == max(others)
+    # forward / backward / optimizer: full 78,716 / 83,052 / 40,472; grad-op 90,748 / 87,660
+    # (85,484 measured) / 40,472
+    assert tuple(predicted.values()) == {"full": (78_716, 83_052, 40_472), "grad-op": (90_748, 87_660, 40_472)}[wrap]

@@ -80,8 +80,8 @@ def test_bad_layouts_are_refused_with_the_values():
         sm.estimate(g, sm.Policy("bf16-mixed", "adamw", parallel="tp=3")).at(b=1, s=128)
     with pytest.raises(ConfigError, match=r"sp = True is not valid: expected tensor parallelism beside it"):
         sm.Policy("bf16-mixed", "adamw", parallel="sp=1")
-    for layout in ("tp=2,dp=2,zero=3", "tp=2,dp=2,fsdp=full", "tp=2,dp=2,fsdp=grad-op"):
-        with pytest.raises(ConfigError, match="expected 1 with ZeRO-3, FSDP or parameter offload"):
+    for layout in ("tp=2,dp=2,zero=3,offload=params", "tp=2,dp=2,fsdp=full,offload=both"):
+        with pytest.raises(ConfigError, match="expected 1 with parameter offload"):
             sm.estimate(g, sm.Policy("bf16-mixed", "adamw", parallel=layout))
     with pytest.raises(ConfigError, match="expected 1 with lora"):
         sm.estimate(g, sm.Policy("bf16-mixed", "adamw", lora=8, parallel="tp=2"))

@@ -1,6 +1,8 @@
 """Data parallelism, ZeRO, FSDP and offload: the plan of one data-parallel rank.
 
-All data-parallel ranks run alike, so the plan of one is the estimate. ``n`` is the shard
+All data-parallel ranks run alike, so the plan of one is the estimate. Beside tensor
+parallelism (its pass runs first) a rank's parameters are its tensor-parallel split ones
+(:func:`symmem.passes.tensor.local_shapes`): those are sharded, padded and gathered. ``n`` is the shard
 degree: the symbol ``d`` (bound to ``dp`` where it is a number), or a hybrid group's
 ``shard_size``. Formulas stay symbolic in ``d``. Under ZeRO a sharded tensor of ``N`` elements
 is counted ``N / n``: exact where ``n`` divides; otherwise DeepSpeed pads each flat partition
@@ -96,6 +98,7 @@ from dataclasses import replace
 
 import sympy as sp
 
+from . import tensor
 from ..lowering import grad_bytes, weight_bytes
 from ..plan import Alloc, Backward, Begin, End, Free, Key, Mark, Plan
 from ..requirements import Requirement
@@ -110,18 +113,20 @@ def prepare(graph, policy):
     return graph
 
 
-def unit_bytes(graph, factor=None) -> tuple[dict, sp.Expr, dict, sp.Expr]:
+def unit_bytes(graph, factor=None, local=None) -> tuple[dict, sp.Expr, dict, sp.Expr]:
     """(weight bytes of one iteration of each repeated block by name, of the root's params,
     gradient bytes likewise): the units ZeRO-3 and FSDP gather. ``factor(p)``: each
-    parameter's bytes times it (FSDP2's padding: :func:`padded_rows`)."""
+    parameter's bytes times it (FSDP2's padding: :func:`padded_rows`); ``local``: {name:
+    parameter} as one tensor-parallel rank holds it, where it is split."""
     f = factor or (lambda p: 1)
+    local = local or {}
     units, grads, inner = {}, {}, set()
     for rep in graph.repeats():
-        own = [p for p, _ in rep.body.params() if p.name in rep.body._params]
+        own = [local.get(p.name, p) for p, _ in rep.body.params() if p.name in rep.body._params]
         inner.update(p.name for p in own)
         units[rep.name] = sp.expand(sum((weight_bytes(p) * f(p) for p in own), ZERO))
         grads[rep.name] = sp.expand(sum((grad_bytes(p) * f(p) for p in own if p.trainable), ZERO))
-    root = [p for p, _ in graph.params() if p.name not in inner]
+    root = [local.get(p.name, p) for p, _ in graph.params() if p.name not in inner]
     return (units, sp.expand(sum((weight_bytes(p) * f(p) for p in root), ZERO)),
             grads, sp.expand(sum((grad_bytes(p) * f(p) for p in root if p.trainable), ZERO)))
 
@@ -170,11 +175,15 @@ class _Shard:
         #: whole until the unit's backward (FSDP grad-op); None: parameters never sharded
         self.gather = "keep" if par.fsdp == "grad-op" else "unit" if self.stage == 3 else None
         self.graph = graph
+        # each parameter as one rank holds it before sharding: a tensor-parallel rank's split
+        shapes = tensor.local_shapes(graph) if par.splits("tp") else {}
+        self.local = {p.name: replace(p, shape=shapes[p.name]) for p, _ in graph.params() if p.name in shapes}
+        self.params = [(self.local.get(p.name, p), m) for p, m in graph.params()]
         if self.fsdp:     # FSDP2: per-parameter shards, dim 0 padded; gathered and reduced padded
-            self.param = {p.name: p for p, _ in graph.params()}
-            self.units, self.root, *_ = unit_bytes(graph, lambda p: self.n * padded_rows(p, self.n))
+            self.param = {p.name: p for p, _ in self.params}
+            self.units, self.root, *_ = unit_bytes(graph, lambda p: self.n * padded_rows(p, self.n), self.local)
         else:
-            self.units, self.root, *_ = unit_bytes(graph)
+            self.units, self.root, *_ = unit_bytes(graph, local=self.local)
         self.bucket = ZERO if self.fsdp else sp.Integer(par.reduce_bucket) * B_g
         self.scattering = None    # FSDP: the reduce-scatter input kept until the next unit reduces
         #: FSDP2's MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32): a half-precision
@@ -222,7 +231,7 @@ class _Shard:
                                                      self._shard(e.key.name, e.nbytes))
                                           for e in plan.states if isinstance(e, Alloc) and e.role == k), ZERO))
             shard["grads"] = sp.expand(sum((self._master(grad_bytes(p)) * m * padded_rows(p, n)
-                                            for p, m in self.graph.params() if p.trainable), ZERO))
+                                            for p, m in self.params if p.trainable), ZERO))
             master_grads = shard["master"] if master_grads != 0 and not self.mp else ZERO
             if self.mp:
                 shard["params"], shard["master"] = self._master(shard["params"]), ZERO
@@ -509,6 +518,7 @@ class _Shard:
         policy, n = self.policy, self.n
 
         def local(p):
+            p = self.local.get(p.name, p)
             return replace(p, shape=(sp.ceiling(p.shape[0] / n), *p.shape[1:])) if p.shape else p
         trained = [(local(p), m) for p, m in self.graph.params() if p.trainable]
         order = [local(p) for p in _param_order(self.graph.items) if p.trainable]
@@ -516,8 +526,7 @@ class _Shard:
         # one mark per distinct size (of the local shards: not the whole parameters' sizes)
         temps = [Mark("optimizer", where, (("transient", temp.xreplace(rebind)),))
                  for where, temp in policy.opt.step_temps(policy.impl, order, trained, policy.device)]
-        whole = sp.expand(sum((p.numel * m for p, m in self.graph.params() if p.trainable and p.dtype is None),
-                              ZERO))
+        whole = sp.expand(sum((p.numel * m for p, m in self.params if p.trainable and p.dtype is None), ZERO))
         out = []
         for e in events:
             if isinstance(e, Alloc) and e.key.kind == "master grads" and self.mp:

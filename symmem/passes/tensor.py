@@ -30,7 +30,10 @@ parameters' storages (weights, gradients, master copy, optimizer states, autocas
 optimizer's temporaries recomputed from the split shapes), the split nodes' values, saved
 tensors and gradients, and their scratch (a split linear's term by term: its input's gradient,
 its weight's and its bias's).
-The degree stays the symbol ``t`` (bound where it is a number). Assumed: the linears named
+The degree stays the symbol ``t`` (bound where it is a number). Beside data parallelism each
+tensor-parallel rank is what ZeRO and FSDP shard (:mod:`symmem.passes.shard`, which runs after
+this pass): its own parameters (:func:`local_shapes`) are what ZeRO-3 and FSDP gather and pad
+(torchtitan's FSDP2 over the data-parallel dimension of a 2-D mesh). Assumed: the linears named
 below are split as Megatron (or ``torch.distributed.tensor.parallel``'s ColwiseParallel /
 RowwiseParallel plan) splits them; a fused QKV projection gathers its input once, separate
 ones each gather it (the same bytes at the moment of the peak). T5's relative position bias
@@ -49,7 +52,7 @@ from ..plan import Alloc, Backward, Compute, Free, Key, Mark, Plan, flat
 from ..requirements import Requirement
 from ..symbols import BYTE_SYMBOLS, V, a, k, t
 
-__all__ = ["prepare", "apply", "COLUMN", "ROW", "sharded_nodes"]
+__all__ = ["prepare", "apply", "COLUMN", "ROW", "sharded_nodes", "local_shapes"]
 
 #: Module names (the end of a parameter's name before ``.weight``/``.bias``) of the
 #: column-parallel linears, as Megatron and the models' tensor-parallel plans split them.
@@ -84,10 +87,9 @@ def _kind(node: Node) -> str | None:
 
 def _check(graph, policy) -> None:
     par = policy.parallel
-    if par.stage == 3 or par.fsdp is not None or par.offload_params:
-        raise ConfigError("tp", str(par.tp), "1 with ZeRO-3, FSDP or parameter offload (their gathered units "
-                          "of split parameters are not modelled yet)", "Leave --tp out, or use it with DDP or "
-                          "ZeRO 1-2 (--zero 1|2: Megatron's distributed optimizer is ZeRO-1).")
+    if par.offload_params:
+        raise ConfigError("tp", str(par.tp), "1 with parameter offload (offloaded shards of split parameters "
+                          "are not modelled yet)", "Leave --tp out, or offload the optimizer only.")
     if not sharded_nodes(graph)[1]:
         raise ConfigError("tp", str(policy.parallel.tp), f"1 for {graph.name}: it has no attention or MLP "
                           "layer that Megatron splits (symmem.passes.tensor.COLUMN, ROW)", "Leave --tp out.")
@@ -143,6 +145,12 @@ def prepare(graph, policy):
     if policy.parallel.splits("tp"):
         _check(graph, policy)
     return graph
+
+
+def local_shapes(graph) -> dict:
+    """{parameter name: its shape on one tensor-parallel rank} for every split parameter (what
+    ZeRO-3 and FSDP then shard and gather)."""
+    return _split_params(graph, sharded_nodes(graph)[1])
 
 
 def _split_params(graph, kinds: dict) -> dict:
