@@ -703,7 +703,8 @@ def _llama_tp_rank(rank, world_size, precision, fsdp=None, kind="sgd"):
     """:data:`_TP_CONFIG`'s Llama under torch's tensor parallelism as Megatron splits it: q, k,
     v, gate, up ColwiseParallel; o, down RowwiseParallel; the embedding's rows RowwiseParallel;
     the head ColwiseParallel to logits sharded over the vocabulary, the cross entropy under
-    loss_parallel (its forward and its backward); bf16-mixed: the forward under autocast.
+    loss_parallel (its forward and its backward); bf16-mixed: the forward under autocast;
+    bf16-master: FSDP's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32).
     ``fsdp`` ("full", "grad-op"): over 2 tensor-parallel ranks a (world_size / 2, 2) mesh, and
     FSDP2 over its data-parallel dimension on each layer and the root (torchtitan's 2-D layout)."""
     transformers = pytest.importorskip("transformers")
@@ -723,12 +724,14 @@ def _llama_tp_rank(rank, world_size, precision, fsdp=None, kind="sgd"):
     if fsdp is None:
         model = parallelize_module(model, init_device_mesh("cpu", (world_size,)), plan)
     else:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
         model = parallelize_module(model, mesh["tp"], plan)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if precision == "bf16-master" else MixedPrecisionPolicy()
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=fsdp == "full")
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=fsdp == "full", mp_policy=mp)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
         for module in (*model.model.layers, model):
             _reproducible_collectives(module)
 
@@ -783,17 +786,19 @@ def test_llama_tensor_parallel_rank_is_symmems(precision, forward, unseen, large
         assert r.step.phase_peaks["optimizer"] == predicted["optimizer"] + 3_200 == 40_356
 
 
-@pytest.mark.parametrize("wrap", ["full", "grad-op"])
-def test_llama_fsdp2_beside_tensor_parallel_rank_is_symmems(wrap):
+@pytest.mark.parametrize("wrap,precision", [("full", "fp32"), ("grad-op", "fp32"), ("full", "bf16-master")])
+def test_llama_fsdp2_beside_tensor_parallel_rank_is_symmems(wrap, precision):
     # FSDP2 over 2 data-parallel ranks of 2 tensor-parallel ones (4 processes), AdamW. Each rank
     # shards its tensor-parallel parameters (18,496 bytes, test above) in two, every dim 0 even
     # (the embedding and head 50 local rows, 25 a rank): 9,248 bytes of parameters and of
     # gradients; AdamW's states 2 * 9,248 + 21 step counters * 4 = 18,580. symmem's
     # tp=2,dp=2,fsdp rank gathers and shards the tensor-parallel rank's own parameters.
+    # bf16-master: FSDP's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), the
+    # same float32 states.
     import symmem as sm
-    ranks = distributed_step(_llama_tp("fp32", wrap, "adamw"), 4)
+    ranks = distributed_step(_llama_tp(precision, wrap, "adamw"), 4)
     est = sm.estimate(sm.models.from_hf_config({"model_type": "llama", **_TP_CONFIG}),
-                      sm.Policy("fp32", "adamw", "cpu", "for-loop", attention="eager",
+                      sm.Policy(precision, "adamw", "cpu", "for-loop", attention="eager",
                                 parallel=f"tp=2,dp=2,fsdp={wrap}"))
     subs = est._subs({"b": 2, "s": 8})
     moments = {ph: [(p.where, int(p.total.xreplace(subs))) for p in est.timeline if p.phase == ph]
@@ -801,23 +806,28 @@ def test_llama_fsdp2_beside_tensor_parallel_rank_is_symmems(wrap):
     predicted = {ph: max(v for _, v in m) for ph, m in moments.items()}
     ev = est.at(b=2, s=8)
     assert (ev.bytes["params"], ev.bytes["grads"], ev.bytes["optimizer"]) == (9_248, 9_248, 18_580)
+    top = max(moments["backward"], key=lambda m: m[1])[0]
+    assert top == ("backward layers/mlp/gated (last iteration)" if (wrap, precision) == ("full", "fp32")
+                   else "backward log_softmax")
     for r in ranks:
         assert (r.params, r.grads, r.optimizer_state) == (9_248, 9_248, 18_580)
         assert r.step.at_start == 9_248 + 18_580 + 32 + 128      # and the rotary buffers, the ids
         assert r.step.phase_peaks["forward"] == predicted["forward"]
         assert r.step.phase_peaks["optimizer"] == predicted["optimizer"]
-        if wrap == "full":
+        if top != "backward log_softmax":
             # at layer 1's MLP backward, layer 0 prefetched beside it: a sample
             assert r.step.phase_peaks["backward"] == predicted["backward"]
         else:
-            # with every layer whole, symmem's maximum is the log_softmax's backward inside
-            # DTensor's dispatch (see the tensor-parallel test above): the sample before it plus
-            # its new 3,200-byte gradient; the measured maximum is symmem's largest other moment
+            # symmem's maximum is the log_softmax's backward inside DTensor's dispatch (see the
+            # tensor-parallel test above): the sample before it plus its new 3,200-byte
+            # gradient; the measured maximum is symmem's largest other moment
             ops = [x.op for x in r.step.timeline]
             i = ops.index("aten._log_softmax_backward_data.default")
             assert predicted["backward"] == r.step.timeline[i - 1].live_bytes + 3_200
             others = [v for where, v in moments["backward"] if where != "backward log_softmax"]
             assert r.step.phase_peaks["backward"] == max(others)
-    # forward / backward / optimizer: full 78,716 / 83,052 / 40,472; grad-op 90,748 / 87,660
-    # (85,484 measured) / 40,472
-    assert tuple(predicted.values()) == {"full": (78_716, 83_052, 40_472), "grad-op": (90_748, 87_660, 40_472)}[wrap]
+    # forward / backward / optimizer: fp32 full 78,716 / 83,052 / 40,472; grad-op 90,748 /
+    # 87,660 (85,484 measured) / 40,472; bf16-master full 62,044 / 63,372 (60,304) / 40,472
+    assert tuple(predicted.values()) == {("full", "fp32"): (78_716, 83_052, 40_472),
+                                         ("grad-op", "fp32"): (90_748, 87_660, 40_472),
+                                         ("full", "bf16-master"): (62_044, 63_372, 40_472)}[wrap, precision]
