@@ -100,6 +100,8 @@ import sympy as sp
 
 from . import tensor
 from ..lowering import grad_bytes, weight_bytes
+from ..errors import ConfigError
+from ..graph import Node
 from ..plan import Alloc, Backward, Begin, End, Free, Key, Mark, Plan
 from ..requirements import Requirement
 from ..symbols import B_a, B_g, B_m, B_w, d
@@ -110,6 +112,20 @@ ZERO = sp.Integer(0)
 
 
 def prepare(graph, policy):
+    """The graph as it is, after refusing a layer ZeRO-3 or FSDP would gather as a unit of its
+    own but that is written out of its repeated block (T5's first block of each stack, which
+    makes the position bias): the units here are the repeated blocks' iterations and the root,
+    and such a layer would be counted in the root, whole from the start of forward to the end
+    of backward."""
+    par = policy.parallel
+    if policy.mode != "inference" and (par.stage == 3 or par.fsdp is not None):
+        written = sorted({n.attr("layer") for n in graph.items if isinstance(n, Node) and n.attr("layer")})
+        if written:
+            key, value = ("fsdp", par.fsdp) if par.fsdp else ("zero", 3)
+            raise ConfigError(key, value, f"DDP or ZeRO 1-2 for {graph.name}",
+                              f"{graph.name} writes {', '.join(written)} out of its repeated block, and "
+                              "FSDP and ZeRO-3 gather such a layer as a unit of its own: not modelled yet. "
+                              "Use --zero 1 or 2, or plain --dp.")
     return graph
 
 
