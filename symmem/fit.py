@@ -49,8 +49,6 @@ TENSOR = (1, 2, 4, 8)
 STATES = ("params", "buffers", "grads", "master", "optimizer")
 #: What a pipeline allows beside it (:func:`symmem.policy.Policy` refuses ZeRO 2-3 and FSDP).
 _PIPELINE_SHARDINGS = ("ddp", "zero-1")
-#: What gathers units of parameters (refused for a model with a layer outside its repeated block).
-_UNIT_SHARDINGS = ("zero-3", "fsdp-full")
 
 
 @dataclass(frozen=True)
@@ -116,8 +114,7 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
     def est(kind: tuple) -> Estimate | None:
         """The estimate of a kind of layout (tp > 1, sharding, recompute, accumulate, one
         data-parallel rank, pp, micro-batches, cp: 1, 2 or "c"); None where the model refuses it
-        (the stages do not divide its layers; its attention does not run as a ring; a layer
-        outside its repeated block, which ZeRO-3 and FSDP would gather on its own)."""
+        (the stages do not divide its layers; its attention does not run as a ring)."""
         if kind not in kinds:       # one data-parallel rank: no DDP buckets, nothing sharded
             tp, sharding, recompute, accumulate, one_rank, pp, m, cp = kind
             data = {} if one_rank else {"dp": "d", **dict(SHARDINGS)[sharding]}
@@ -128,7 +125,7 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
                 kinds[kind] = derive(graph, Policy(precision, optimizer, device, recompute=recompute,
                                                    accumulate=accumulate, parallel=_spec(par)))
             except ConfigError:
-                if pp == 1 and cp == 1 and sharding not in _UNIT_SHARDINGS:
+                if pp == 1 and cp == 1:
                     raise
                 kinds[kind] = None
         return kinds[kind]

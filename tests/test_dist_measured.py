@@ -688,6 +688,66 @@ def test_llama_fsdp2_mixed_precision_is_symmems_bf16_master():
     assert tuple(predicted.values()) == (119_292, 116_748, 75_928)
 
 
+#: A T5 of three encoder and three decoder layers (no dropout), b = 2, s = 16, s_d = 8.
+_T5_CONFIG = dict(d_model=32, d_ff=64, num_heads=4, d_kv=8, num_layers=3, num_decoder_layers=3, vocab_size=100,
+                  attn_implementation="eager", use_cache=False, decoder_start_token_id=0, dropout_rate=0.0)
+
+
+def _t5_setup(kind, wrap, precision):
+    def setup(rank, world_size):
+        transformers = pytest.importorskip("transformers")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(**_T5_CONFIG))
+        ids, labels = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 8))
+        mesh = init_device_mesh("cpu", (world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if precision == "bf16-master" else MixedPrecisionPolicy()
+        blocks = [*model.encoder.block, *model.decoder.block]     # every T5Block, as accelerate wraps T5
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=wrap == "full", mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        for module in (*blocks, model):
+            _reproducible_collectives(module)
+
+        def loss(m):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                return m(input_ids=ids, labels=labels).loss
+        return RankSetup(model, loss, _optimizer(kind, model.parameters()), [ids, labels])
+    return setup
+
+
+@pytest.mark.parametrize("kind,wrap,precision,phases", [
+    ("adamw", "full", "fp32", (849_112, 905_488, 536_980)),
+    ("sgd", "grad-op", "fp32", (799_640, 762_512, 262_148)),
+    ("adamw", "full", "bf16-master", (670_424, 732_780, 536_978)),
+    ("adamw", "full", "bf16-mixed", (937_176, 962_768, 536_980))])
+def test_t5_fsdp2_rank_is_symmems(kind, wrap, precision, phases):
+    # Every T5Block its own unit: the first block of each stack, written out of symmem's
+    # repeated block (it makes the position bias), is gathered as one too. Shards on 2 ranks:
+    # the shared embedding 100 x 32 (50 rows), the head tied to it, each block's q, k, v, o
+    # 4 * 32 * 32 and FF 2 * 32 * 64 (a decoder block 4 * 32 * 32 more, cross-attention), its
+    # norms and the first blocks' bias tables 32 x 4: (3,200 + 3 * 8,256 + 3 * 12,384 + 2 * 128
+    # + 2 * 32) / 2 = 32,720 elements = 130,880 bytes of parameters and of gradients; AdamW's
+    # states twice that and a step counter for each of its 68 parameters (262,032).
+    import symmem as sm
+    assert (3_200 + 3 * (4 * 1_024 + 2 * 2_048 + 2 * 32) + 3 * (8 * 1_024 + 2 * 2_048 + 3 * 32)
+            + 2 * 128 + 2 * 32) // 2 * 4 == 130_880
+    ranks = distributed_step(_t5_setup(kind, wrap, precision), 2, keep_timeline=False)
+    transformers = pytest.importorskip("transformers")
+    cfg = {**transformers.T5Config(**_T5_CONFIG).to_dict(), "attn_implementation": "eager"}
+    est = sm.estimate(sm.models.from_hf_config(cfg), sm.Policy(precision, kind, "cpu", "for-loop",
+                                                               parallel=f"dp=2,fsdp={wrap}"))
+    subs = est._subs({"b": 2, "s": 16, "s_d": 8})
+    predicted = tuple(max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+                      for ph in ("forward", "backward", "optimizer"))
+    states = 2 * 130_880 + 68 * 4 if kind == "adamw" else 0
+    for r in ranks:
+        assert (r.params, r.grads, r.optimizer_state) == (130_880, 130_880, states)
+        assert tuple(r.step.phase_peaks[ph] for ph in ("forward", "backward", "optimizer")) == predicted == phases
+
+
 #: A two-layer Llama whose key-value heads (2) and vocabulary (100) split in two.
 _TP_CONFIG = dict(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=2,
                   num_hidden_layers=2, vocab_size=100, max_position_embeddings=64,

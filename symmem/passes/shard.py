@@ -36,7 +36,9 @@ What each layout changes, as the libraries allocate it:
   forward and again for its backward, and freed after; ``prefetch`` more units (1) are
   gathered ahead of it, but for the last unit run. The parameters outside the repeated block
   (embeddings, final norm, output layer) form the root unit, whole from the start of forward
-  to the end of backward. Each unit's full gradients live until its backward has run, then
+  to the end of backward. A layer written out of its repeated block (T5's first block of each
+  stack, which makes the position bias: :func:`written_out`) is a unit as an iteration is.
+  Each unit's full gradients live until its backward has run, then
   are reduce-scattered into the rank's partition, a flat buffer made at initialisation
   (``grad_partitions_flat_buffer``, held always, as is stage 3's ipg bucket: one flat tensor
   of ``reduce_bucket`` elements). Assumed:
@@ -100,9 +102,8 @@ import sympy as sp
 
 from . import tensor
 from ..lowering import grad_bytes, weight_bytes
-from ..errors import ConfigError
 from ..graph import Node
-from ..plan import Alloc, Backward, Begin, End, Free, Key, Mark, Plan
+from ..plan import Alloc, Backward, Begin, Compute, End, Free, Key, Mark, Plan
 from ..requirements import Requirement
 from ..symbols import B_a, B_g, B_m, B_w, d
 
@@ -112,26 +113,25 @@ ZERO = sp.Integer(0)
 
 
 def prepare(graph, policy):
-    """The graph as it is, after refusing a layer ZeRO-3 or FSDP would gather as a unit of its
-    own but that is written out of its repeated block (T5's first block of each stack, which
-    makes the position bias): the units here are the repeated blocks' iterations and the root,
-    and such a layer would be counted in the root, whole from the start of forward to the end
-    of backward."""
-    par = policy.parallel
-    if policy.mode != "inference" and (par.stage == 3 or par.fsdp is not None):
-        written = sorted({n.attr("layer") for n in graph.items if isinstance(n, Node) and n.attr("layer")})
-        if written:
-            key, value = ("fsdp", par.fsdp) if par.fsdp else ("zero", 3)
-            raise ConfigError(key, value, f"DDP or ZeRO 1-2 for {graph.name}",
-                              f"{graph.name} writes {', '.join(written)} out of its repeated block, and "
-                              "FSDP and ZeRO-3 gather such a layer as a unit of its own: not modelled yet. "
-                              "Use --zero 1 or 2, or plain --dp.")
     return graph
 
 
+def written_out(graph) -> dict:
+    """{layer: its parameters} for each layer written out of its repeated block (T5's first
+    block of each stack, which makes the position bias: its nodes' ``layer`` attribute and
+    names under it): ZeRO-3 and FSDP gather it as a unit of its own, like an iteration."""
+    layers = {n.attr("layer") for n in graph.items if isinstance(n, Node) and n.attr("layer")}
+    out = {}
+    for layer in sorted(layers):
+        params = {p.name: p for n in graph.nodes() if n.name.startswith(layer + "/") for p in n.params}
+        out[layer] = list(params.values())
+    return out
+
+
 def unit_bytes(graph, factor=None, local=None) -> tuple[dict, sp.Expr, dict, sp.Expr]:
-    """(weight bytes of one iteration of each repeated block by name, of the root's params,
-    gradient bytes likewise): the units ZeRO-3 and FSDP gather. ``factor(p)``: each
+    """(weight bytes of one iteration of each repeated block by name, and of each layer
+    written out of one (:func:`written_out`), of the root's params, gradient bytes likewise):
+    the units ZeRO-3 and FSDP gather. ``factor(p)``: each
     parameter's bytes times it (FSDP2's padding: :func:`padded_rows`); ``local``: {name:
     parameter} as one tensor-parallel rank holds it, where it is split."""
     f = factor or (lambda p: 1)
@@ -142,6 +142,11 @@ def unit_bytes(graph, factor=None, local=None) -> tuple[dict, sp.Expr, dict, sp.
         inner.update(p.name for p in own)
         units[rep.name] = sp.expand(sum((weight_bytes(p) * f(p) for p in own), ZERO))
         grads[rep.name] = sp.expand(sum((grad_bytes(p) * f(p) for p in own if p.trainable), ZERO))
+    for layer, params in written_out(graph).items():
+        own = [local.get(p.name, p) for p in params]
+        inner.update(p.name for p in own)
+        units[layer] = sp.expand(sum((weight_bytes(p) * f(p) for p in own), ZERO))
+        grads[layer] = sp.expand(sum((grad_bytes(p) * f(p) for p in own if p.trainable), ZERO))
     root = [local.get(p.name, p) for p, _ in graph.params() if p.name not in inner]
     return (units, sp.expand(sum((weight_bytes(p) * f(p) for p in root), ZERO)),
             grads, sp.expand(sum((grad_bytes(p) * f(p) for p in root if p.trainable), ZERO)))
@@ -272,8 +277,9 @@ class _Shard:
             states.append(Alloc(Key("ipg bucket", "stage 3"), self.bucket, "transient"))
         if host != 0:
             comps["host"] = sp.expand(host)
-        forward = self._forward(plan.forward)
-        backward = self._backward(plan.backward, device_grads)
+        layers = set(written_out(self.graph)) if self.gather is not None else set()
+        forward = _unbracketed(self._forward(_bracketed(plan.forward, layers)))
+        backward = _unbracketed(self._backward(_bracketed(plan.backward, layers), device_grads))
         optimizer = self._optimizer(plan.optimizer)
         requirements = plan.requirements
         if par.fsdp == "hybrid":       # d ranks in groups of shard_size: the formulas need it to divide
@@ -556,6 +562,34 @@ class _Shard:
                 continue
             out.append(e)
         return tuple(out)
+
+
+def _bracketed(events, layers: set) -> tuple:
+    """The events with each run of a written-out layer's operators (forward) or backwards
+    between a ``Begin``/``End`` of copy 0, so that it is gathered as a unit as an iteration
+    is; the frees that follow its last operator are its own (its internal values)."""
+    if not layers:
+        return events
+    out, cur = [], None
+    for e in events:
+        node = e.node if isinstance(e, (Compute, Backward)) else None
+        if node is not None or isinstance(e, (Begin, End)):
+            unit = next((x for x in layers if node is not None and node.startswith(x + "/")), None)
+            if unit != cur:
+                if cur is not None:
+                    out.append(End(cur, 0))
+                if unit is not None:
+                    out.append(Begin(unit, 0, sp.Integer(1)))
+                cur = unit
+        out.append(e)
+    if cur is not None:
+        out.append(End(cur, 0))
+    return tuple(out)
+
+
+def _unbracketed(events) -> tuple:
+    """The events without :func:`_bracketed`'s markers."""
+    return tuple(e for e in events if not (isinstance(e, (Begin, End)) and e.copy == 0))
 
 
 def _full_grads(e: Backward) -> tuple:
