@@ -502,7 +502,8 @@ def _llama_loss(ids):
 
 
 def _llama_setup(kind, wrap, mixed=False):
-    """``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``."""
+    """``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
+    ``wrap`` "hybrid": HSDP, a (replicas, 2) mesh, each parameter sharded over 2 ranks."""
     def setup(rank, world_size):
         model, ids = _llama()
         if wrap == "ddp":
@@ -511,11 +512,12 @@ def _llama_setup(kind, wrap, mixed=False):
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            mesh = init_device_mesh("cpu", (world_size,))
+            mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("replicate", "shard")) \
+                if wrap == "hybrid" else init_device_mesh("cpu", (world_size,))
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
                 else MixedPrecisionPolicy()
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, reshard_after_forward=wrap == "full", mp_policy=mp)
+                fully_shard(layer, mesh=mesh, reshard_after_forward=wrap != "grad-op", mp_policy=mp)
             # the root as fully_shard's default leaves it: not resharded after forward (its
             # parameters would be all-gathered again at once for backward)
             fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -686,6 +688,27 @@ def test_llama_fsdp2_mixed_precision_is_symmems_bf16_master():
         assert len(gathers) == {"full": 10, "grad-op": 6}[wrap]      # root + 2 layers, + 2 in backward
     # forward / backward / optimizer: full 108,412 / 111,308 / 75,928; grad-op 119,292 / 116,748
     assert tuple(predicted.values()) == (119_292, 116_748, 75_928)
+
+
+def test_llama_hsdp_rank_is_symmems():
+    # HSDP (FSDP2 on a (2, 2) mesh: sharded over 2 ranks, replicated twice; AdamW): each rank is
+    # the 2-rank full shard's (test_llama_fsdp2_rank_is_symmems), the replicas' all-reduce of the
+    # gradient shards in place; symmem's dp=4,fsdp=hybrid,shard_size=2 rank. Ranks 1 and 3 hold
+    # 49 of the embedding's and head's rows: 256 bytes less (384 at the step).
+    import symmem as sm
+    ranks = distributed_step(_llama_setup("adamw", "hybrid"), 4, keep_timeline=False)
+    model, _ = _llama()
+    est = sm.estimate(sm.models.from_hf_config(model.config.to_dict()),
+                      sm.Policy("fp32", "adamw", "cpu", "for-loop", attention="eager",
+                                parallel="dp=4,fsdp=hybrid,shard_size=2"))
+    subs = est._subs({"b": 2, "s": 8})
+    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+                 for ph in ("forward", "backward", "optimizer")}
+    assert predicted == {"forward": 135_804, "backward": 145_708, "optimizer": 75_928}
+    less = {"forward": 256, "backward": 256, "optimizer": 384}
+    assert [r.step.phase_peaks for r in ranks] == [predicted, {ph: v - less[ph] for ph, v in predicted.items()}] * 2
+    assert [(r.params, r.grads, r.optimizer_state) for r in ranks] == [(17_312, 17_312, 34_708),
+                                                                       (17_312, 17_312, 34_452)] * 2
 
 
 #: A T5 of three encoder and three decoder layers (no dropout), b = 2, s = 16, s_d = 8.
