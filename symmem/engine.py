@@ -38,9 +38,10 @@ def canonical(expr) -> sp.Expr:
     term goes under the power of the first of L, b, s it has, as ``sympy.collect(expr,
     [L, b, s])`` puts it (the same expression, built directly: collect costs ten times more)."""
     d = terms(expr)
-    if d is None or any(not base.is_Symbol for key in d for base, _ in key):
+    if d is None or not _atoms_expanded(d):
         # not yet a sum of products of symbols (expand it), or one holding an atom such as
-        # ceiling(s/128), which expand rewrites inside; a sum of products of symbols it leaves
+        # ceiling((s + 1)/128) that expand rewrites inside; a sum of products of symbols and
+        # of atoms already expanded (ceiling(s/128)) it leaves as it is
         expr = sp.expand(expr)
         d = terms(expr)
         if d is None:
@@ -52,9 +53,28 @@ def _point_canonical(p: Point) -> sp.Expr:
     """``canonical(p.total)``, from the terms of the point's parts where they are products
     of symbols (no sum built first)."""
     d = p.terms
-    if d is None or any(not base.is_Symbol for key in d for base, _ in key):
+    if d is None or not _atoms_expanded(d):
         return canonical(p.total)
     return _collect(d)
+
+
+_EXPANDED: dict = {}
+
+
+def _atoms_expanded(d: dict) -> bool:
+    """Are the bases of the terms ``d`` symbols, or atoms (a ceiling, a Max) that expand
+    leaves as they are? Then their sum is already expanded (each atom asked once)."""
+    for key in d:
+        for base, _ in key:
+            if not base.is_Symbol:
+                hit = _EXPANDED.get(base)
+                if hit is None:
+                    hit = sp.expand(base) == base
+                    if len(_EXPANDED) < 1 << 16:
+                        _EXPANDED[base] = hit
+                if not hit:
+                    return False
+    return True
 
 
 def _collect(d: dict) -> sp.Expr:
