@@ -36,7 +36,7 @@ import sympy as sp
 from .dtypes import dtype_bytes
 from .footprints import Instance, trace
 from .graph import Graph, Repeat
-from .plan import (AUTOGRAD, CACHE, LOOP, OUTPUTS, Alloc, Backward, Begin, Compute, End, Free, Hold, Key,
+from .plan import (AUTOGRAD, CACHE, LOCAL, LOOP, OUTPUTS, Alloc, Backward, Begin, Compute, End, Free, Hold, Key,
                    Mark, Plan, Release)
 from .policy import Policy
 from .policy.quantize import QUANTIZE
@@ -105,7 +105,7 @@ class _Lowering:
             for value, until in g.locals:
                 for c in copies:
                     # one holder per (value, until): a value two locals refer to lives until both let go
-                    holder = f"local:{value}>{until}" + (f"#{c}" if c else "")
+                    holder = f"{LOCAL}{value}>{until}" + (f"#{c}" if c else "")
                     # (a block's output held outside it: its last iteration's value)
                     self.locals.setdefault(self._where(value) if c == 0 else (value, c), []).append(holder)
                     self.until.setdefault((until, c), []).append(holder)

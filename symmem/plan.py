@@ -38,7 +38,7 @@ import sympy as sp
 
 __all__ = ["Key", "Hold", "Compute", "Alloc", "Free", "Release", "Mark", "Backward", "Begin", "End", "Event",
            "MicroBatch", "flat", "map_bytes",
-           "Plan", "PHASES", "ROLES", "AUTOGRAD", "CHECKPOINT", "CACHE", "OUTPUTS", "LOOP"]
+           "Plan", "PHASES", "ROLES", "AUTOGRAD", "CHECKPOINT", "LOCAL", "CACHE", "OUTPUTS", "LOOP"]
 
 #: The phases of a step, in order.
 PHASES = ("states", "forward", "backward", "optimizer")
@@ -49,9 +49,10 @@ ROLES = ("params", "buffers", "master", "optimizer", "grads", "activations", "ca
 #: model's outputs (referenced until forward ends), the training loop (the batch and the
 #: loss, referenced for the whole step).
 CACHE, OUTPUTS, LOOP = "autocast cache", "model outputs", "training loop"
-#: The prefix of autograd's holders: ``AUTOGRAD + node`` holds what ``node`` saved; and of a
-#: checkpoint's, which holds the inputs of the region it recomputes.
-AUTOGRAD, CHECKPOINT = "autograd:", "checkpoint:"
+#: The prefix of autograd's holders: ``AUTOGRAD + node`` holds what ``node`` saved; of a
+#: checkpoint's, which holds the inputs of the region it recomputes; of the model's Python
+#: locals (``Graph.hold``).
+AUTOGRAD, CHECKPOINT, LOCAL = "autograd:", "checkpoint:", "local:"
 
 ZERO = sp.Integer(0)
 

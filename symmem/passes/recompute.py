@@ -37,8 +37,8 @@ import sympy as sp
 
 from ..errors import ConfigError, UnknownName
 from ..graph import Graph
-from ..plan import (AUTOGRAD, CACHE, CHECKPOINT, Backward, Begin, Compute, End, Free, Hold, Key, Mark, Plan,
-                    Release)
+from ..plan import (AUTOGRAD, CACHE, CHECKPOINT, LOCAL, Backward, Begin, Compute, End, Free, Hold, Key, Mark,
+                    Plan, Release)
 from .regions import check_full_only
 
 __all__ = ["prepare", "apply", "regions"]
@@ -230,7 +230,10 @@ def _checkpoint(fwd: list, bwd: list, region: list[int], holder: str, reentrant:
     # backward: the region again before its backward needs it; the checkpoint lets
     # go of the inputs after the last node that saved through its hooks (reentrant: after
     # the whole region, when CheckpointFunction's backward returns, with the recomputed output)
-    redo = _recomputation(computes, holder, reentrant, casts, outputs)
+    # the Python locals the region's code lets go of after each of its nodes
+    let_go = [[e for e in fwd[i + 1:j] if isinstance(e, Release) and e.holder.startswith(LOCAL)]
+              for i, j in zip(region, region[1:] + [region[-1] + 1])]
+    redo = _recomputation(computes, holder, reentrant, casts, outputs, let_go)
     if not reentrant:        # a recomputed tensor, once unpacked, lives only as long as the node's
         for j in groups:     # kernels: it is gone before the engine sums a bias's gradient
             bwd[j] = _released_with_the_kernels(bwd[j])
@@ -265,11 +268,16 @@ def _released_with_the_kernels(group: Backward) -> Backward:
     return replace(group, events=tuple(events))
 
 
-def _recomputation(computes: list, holder: str, reentrant: bool, casts: dict, outputs: list) -> list:
+def _recomputation(computes: list, holder: str, reentrant: bool, casts: dict, outputs: list, let_go: list) -> list:
     """The region's Computes as backward runs them again: autograd holds what they save
     (the Python numbers aside: the recomputation's own graph is thrown away), the autocast
-    cache holds the weights it casts again until the recomputation ends."""
+    cache holds the weights it casts again until the recomputation ends, and the code's Python
+    locals hold their values as in forward (``let_go``: the releases after each Compute) until
+    they are let go of or the recomputation ends."""
     cache = f"{CACHE} ({holder})"
+
+    def again(name):
+        return f"{name} ({holder})"
     out, cast_seen = [], set()
     for e in computes:
         keep = tuple(h for h in e.holds if h.holder == _autograd(e) and h.key.kind != "scalar")
@@ -280,27 +288,35 @@ def _recomputation(computes: list, holder: str, reentrant: bool, casts: dict, ou
                 cast_seen.add(k)
                 new.append((k, casts[k]))
                 keep += (Hold(k, cache),)
+        keep += tuple(Hold(h.key, again(h.holder)) for h in e.holds if h.holder.startswith(LOCAL))
         out.append(replace(e, node=f"{e.node} (recomputed)", new=tuple(new), holds=keep))
     if reentrant:        # CheckpointFunction.backward holds the outputs until it returns
         out[-1] = replace(out[-1], holds=out[-1].holds + tuple(Hold(k, holder + " output") for k in outputs))
     else:
         out = _early_stop(out, computes)
-    out.append(Release(cache))
-    return out
+    held = dict.fromkeys(h.holder for e in out for h in e.holds if h.holder.startswith(LOCAL))
+    woven = [x for e, gone in zip(out, let_go) for x in (e, *(Release(again(r.holder)) for r in gone))]
+    return woven + [Release(h) for h in held] + [Release(cache)]
+
+
+def _saves(e: Compute) -> bool:
+    """Does the recomputed ``e`` keep anything for backward (a Python local aside)?"""
+    return any(not h.holder.startswith(LOCAL) for h in e.holds)
 
 
 def _early_stop(redo: list, computes: list) -> list:
     """Cut the recomputation where the last saved tensor is made again. An op whose saved
     tensors all exist before its kernel (inputs, casts, copies) is stopped before the kernel:
     no output. What later ops would read stays referenced until the stop."""
-    last = max((i for i, e in enumerate(redo) if e.holds), default=None)
+    last = max((i for i, e in enumerate(redo) if _saves(e)), default=None)
     if last is None:
         return []
     e = redo[last]
-    after = bool(e.out and any(h.key == e.out for h in e.holds)) or any(k in e.late for k, _ in e.new)
+    after = bool(e.out and any(h.key == e.out and not h.holder.startswith(LOCAL) for h in e.holds)) \
+        or any(k in e.late for k, _ in e.new)
     if not after:
         e = replace(e, out=None, out_bytes=sp.Integer(0), new=tuple(x for x in e.new if x[0] not in e.late),
-                    temp=sp.Integer(0))
+                    temp=sp.Integer(0), holds=tuple(h for h in e.holds if h.key != e.out))
     made = {k for x in redo[:last] + [e] for k in ([x.out] if x.out else []) + [k for k, _ in x.new]}
     inputs = {k for x in computes for k in x.reads} - {
         k for x in computes for k in ([x.out] if x.out else []) + [k for k, _ in x.new]}
