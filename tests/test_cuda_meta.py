@@ -44,6 +44,11 @@ MODELS = {
     "mixtral": lambda: (transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                                                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                                    sliding_window=None, **COMMON), transformers.MixtralForCausalLM),
+    # the experts through torch.bmm of gathered weights: float32 too
+    "mixtral_batched_mm": lambda: (transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=None, experts_implementation="batched_mm", **COMMON),
+        transformers.MixtralForCausalLM),
 }
 
 #: ViT: (b, 3, 32, 32) images in 8 x 8 patches, a class token, 10 classes
@@ -67,6 +72,8 @@ CASES = [
     ("mistral", "fp32", "sdpa", "none"),
     ("mixtral", "bf16", "sdpa", "none"),
     ("mixtral", "bf16", "eager", "none"),
+    ("mixtral_batched_mm", "fp32", "sdpa", "none"),
+    ("mixtral_batched_mm", "bf16", "eager", "none"),
     ("vit", "fp32", "sdpa", "none"),
     ("vit", "bf16", "sdpa", "none"),
     ("vit", "bf16", "eager", "none"),
@@ -80,7 +87,8 @@ def test_cuda_saved_bytes_equal_pytorch_meta(family, precision, attention, recom
     else:
         cfg, cls = MODELS[family]()
     cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
-    est = sm.estimate(sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation}),
+    keys = {"attn_implementation": cfg._attn_implementation, "experts_implementation": cfg._experts_implementation}
+    est = sm.estimate(sm.models.from_hf_config({**cfg.to_dict(), **keys}),
                       sm.Policy(precision, "adamw", "cuda", attention=attention, recompute=recompute))
     (kernel,) = est.kernels
     with torch.device("meta"):

@@ -46,8 +46,11 @@ def test_the_degree_must_divide_the_experts():
 
 @pytest.mark.parametrize("config,parallel,message", [
     (dict(model_type="llama", hidden_size=32, intermediate_size=40, num_attention_heads=4, num_hidden_layers=2,
-          vocab_size=100), {}, "ep = 2 is not valid: expected 1 for llama: it has no mixture of experts (Mixtral's) "
-                               "to split. Leave --ep out."),
+          vocab_size=100), {}, "ep = 2 is not valid: expected 1 for llama: it has no mixture of experts (Mixtral's, "
+                               "with the default experts_implementation grouped_mm) to split. Leave --ep out."),
+    ({**MIXTRAL, "experts_implementation": "batched_mm"}, {},
+     "ep = 2 is not valid: expected 1 for mixtral: it has no mixture of experts (Mixtral's, with the default "
+     "experts_implementation grouped_mm) to split."),
     (MIXTRAL, {"tp": 2}, "ep = 2 is not valid: expected 1 beside --tp (expert parallelism with them is not modelled "
                          "yet). Use --ep alone or beside --dp (DDP)."),
     (MIXTRAL, {"dp": 8, "fsdp": "full"}, "ep = 2 is not valid: expected 1 with ZeRO, FSDP or offload (transformers "

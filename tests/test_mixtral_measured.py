@@ -3,7 +3,8 @@ configs (no download), eager and SDPA attention, float32, bfloat16 autocast and 
 K = 1, K = 2 and K = E, grouped-query and multi-query attention; parameters, bytes saved for
 backward, the training step's peak, its phase and every phase's maximum, to the byte, under
 three routings: as the random router sends the tokens, all tokens on the same K experts (the
-worst case for one expert) and exactly balanced (every expert b s K / E pairs).
+worst case for one expert) and exactly balanced (every expert b s K / E pairs); the experts
+through transformers' default ``grouped_mm`` and through ``batched_mm``.
 """
 import warnings
 
@@ -43,7 +44,8 @@ def hf_mixtral(point, attention, routing="random", **extra):
                                      pad_token_id=None, **extra)
     model = transformers.MixtralForCausalLM(cfg)
     model.train()
-    assert model.config._experts_implementation == "grouped_mm"      # transformers' default
+    # transformers' default, else as asked
+    assert model.config._experts_implementation == extra.get("experts_implementation", "grouped_mm")
 
     def balanced(module, args, out):
         flat = out[2].data.view(-1)
@@ -71,7 +73,8 @@ def tokens_per_expert(model, ids, E):
 
 
 def graph_of(cfg):
-    return sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation})
+    return sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": cfg._attn_implementation,
+                                     "experts_implementation": cfg._experts_implementation})
 
 
 CASES = [
@@ -139,6 +142,56 @@ def test_mixtral_recomputed_exact(point, attention, precision, spec):
             layer.gradient_checkpointing = False
     est = sm.estimate(graph_of(cfg), sm.Policy(precision, "sgd", "cpu", "for-loop", recompute=spec))
     assert_hf_step_exact(est, model, torch.randint(0, V, (b, s)), precision, "sgd", b, s)
+
+
+BATCHED = [
+    # point, attention, precision, optimizer, routing, recompute
+    (POINTS[0], "eager", "fp32", "adamw", "balanced", "none"),
+    (POINTS[0], "sdpa", "bf16-mixed", "sgd", "worst", "none"),
+    (POINTS[2], "eager", "bf16", "adamw", "balanced", "none"),      # K = 1
+    (POINTS[3], "sdpa", "fp32", "sgd", "random", "none"),           # b = 1, K = E
+    (POINTS[0], "sdpa", "bf16-mixed", "sgd", "random", "full"),
+]
+
+
+@pytest.mark.parametrize("point,attention,precision,opt,routing,spec", BATCHED,
+                         ids=[f"b{p[0]}-E{p[8]}-K{p[9]}-{at}-{pr}-{o}-{r}-{sp_}" for p, at, pr, o, r, sp_ in BATCHED])
+def test_mixtral_batched_mm_exact(point, attention, precision, opt, routing, spec):
+    """``experts_implementation="batched_mm"``: saved bytes and every phase's maximum, whatever
+    the routing (every tensor has S = b s K or N rows). Under autocast the float32 gathered
+    weights are not saved (their half copies are) but ``selected_weights`` keeps the gate-up
+    ones until the down ones are gathered, in the recomputation too (``full``)."""
+    b, s, h, f, a, k, L, V, E, K = point
+    cfg, model = hf_mixtral(point, attention, routing, experts_implementation="batched_mm")
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    if spec == "full":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable_checkpointing(model)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, opt, "cpu", "for-loop", recompute=spec))
+    if b == 1:
+        est = est.at_one
+    assert_hf_step_exact(est, model, torch.randint(0, V, (b, s)), precision, opt, b, s)
+
+
+def test_batched_mm_saved_bytes_pinned_by_hand():
+    """POINTS[0] in float32 (N = 16 tokens, S = 32 pairs, E = 4, h = 32, f = 64), the experts
+    per layer. grouped_mm saves 42,576 - 704 (the router's, below) = 41,872 bytes; batched_mm
+    saves the repeated rows S h 4 = 4096, the gathered gate-up weights S 2f h 4 = 524,288, the
+    gate-up output S 2f 4 = 16,384, silu's output and the gated product 2 S f 4 = 16,384, the
+    gathered down weights S h f 4 = 262,144, the down output S h 4 = 4096 and the top-k weights
+    themselves N K 4 = 128 (their gather in grouped_mm): 827,520, 785,648 more a layer."""
+    b, s, h, f, a, k, L, V, E, K = POINTS[0]
+    N, S = b * s, b * s * K
+    batched = S * h * 4 + S * 2 * f * h * 4 + S * 2 * f * 4 + 2 * S * f * 4 + S * h * f * 4 + S * h * 4 + N * K * 4
+    assert batched == 827_520
+    cfg = hf_mixtral(POINTS[0], "eager")[0]
+    grouped = sm.estimate(graph_of(cfg), sm.Policy("fp32", "sgd", "cpu"))
+    cfg._experts_implementation = "batched_mm"
+    est = sm.estimate(graph_of(cfg), sm.Policy("fp32", "sgd", "cpu"))
+    assert est.at(b=b, s=s).bytes["activations"] - grouped.at(b=b, s=s).bytes["activations"] \
+        == L * (batched - 41_872) == 2 * 785_648
 
 
 def test_saved_bytes_pinned_by_hand():
@@ -236,10 +289,23 @@ BASE = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 64, "nu
     ({"num_local_experts": 0}, "num_local_experts = 0 is not valid: expected a positive integer"),
     ({"output_router_logits": 1}, "output_router_logits = 1 is not valid: expected true or false"),
     ({"router_jitter_noise": 0.1}, "router_jitter_noise = 0.1 is not valid: expected 0.0 or 0"),
-    ({"experts_implementation": "eager"}, "experts_implementation = 'eager' is not valid: expected \"grouped_mm\""),
+    ({"experts_implementation": "eager"}, "experts_implementation = 'eager' is not valid: expected \"grouped_mm\" "
+                                          "(transformers' default, or null), \"batched_mm\". The others (eager's"),
+    ({"experts_implementation": "sonicmoe"}, "experts_implementation = 'sonicmoe' is not valid"),
     ({"hidden_act": "gelu"}, "unknown hidden_act 'gelu'"),
 ])
 def test_bad_mixtral_config_is_refused(changes, words):
     with pytest.raises((ConfigError, UnknownName)) as e:
         sm.models.from_hf_config({**BASE, **changes})
     assert words in str(e.value)
+
+
+def test_experts_implementation_is_read():
+    """transformers' key and its private attribute (``config._experts_implementation``); null
+    is its default, grouped_mm."""
+    for key, value in (("experts_implementation", "batched_mm"), ("_experts_implementation", "batched_mm"),
+                       ("experts_implementation", None), ("experts_implementation", "grouped_mm")):
+        _, cfg = sm.models.hf_config({**BASE, key: value})
+        assert cfg.experts_implementation == value
+    nodes = {n.op for n in sm.models.from_hf_config({**BASE, "experts_implementation": "batched_mm"}).nodes()}
+    assert {"gather_param", "batched_linear"} <= nodes and "grouped_mm" not in nodes

@@ -16,9 +16,35 @@ experts (``MixtralSparseMoeBlock``), each token routed to K of them:
 
 Every tensor of that path has S or N rows whatever the routing: the token counts per expert
 only move the boundaries between the groups, so the formulas hold for any routing, balanced
-or all on K experts (measured both ways). transformers' other implementations are refused
-(``experts_implementation``): ``eager`` loops over the experts, and what it holds depends on
-the counts per expert.
+or all on K experts (measured both ways).
+
+``experts_implementation="batched_mm"`` (``integrations/moe.py``, ``batched_mm_experts_forward``;
+:func:`batched_mm_experts`) is data-independent too: the rows repeated K times (S, h), each
+pair's expert weights gathered (``gate_up_proj[expert_ids]`` (S, 2f, h), ``down_proj[
+expert_ids]`` (S, h, f)), one ``torch.bmm`` a projection, which saves both operands, the gate,
+the routing weights, the sum over a token's K pairs. Saved a layer, beside the router's: the
+repeated rows S h, the gathered weights 3 S f h, the projections' outputs S 2f and S h, silu's
+output and the gated product 2 S f (times the activations' bytes), the top-k weights N K 4:
+827,520 bytes in float32 at N = 16, K = 2, h = 32, f = 64, where grouped_mm saves 41,872.
+Under autocast ``bmm`` saves the operands' half copies; the float32 gathered gate-up weights
+live, unsaved, in ``selected_weights`` until the down ones are gathered. Backward: each
+gathered weight's gradient (S, out, in), accumulated into a zero tensor of the whole parameter
+(IndexBackward0's ``index_put_``), the parameter's gradient. Measured exact (float32, bfloat16
+autocast, a bfloat16 model, eager and SDPA, K = 1, 2 and E, SGD and AdamW, balanced, all-on-K
+and random routing, full recomputation); CUDA runs the same ops (its saved bytes checked on
+the meta device).
+
+``eager`` (``MixtralExperts.forward``, a Python loop over the experts hit) is refused: what it
+holds depends on the tokens per expert and on how many experts are hit (measured). What an
+expert saves is linear in its n_e rows (``torch.where``'s (n_e, 2) int64 indices, the gathered
+rows, the projections' outputs, the routing weights' gather), so in float32 the sum depends on
+S alone; but under autocast each expert's weight slices are cast anew and saved (autocast
+caches leaves only; a slice is not one): 2 (2f h + h f) bytes per expert hit, E of them with
+balanced routing, K with all tokens on K experts. An iteration's transients follow its own
+n_e; in backward each ``gate_up_proj[e]`` and ``down_proj[e]`` select makes a zero gradient of
+the whole 3-D parameter (SelectBackward0), added out of place to the sum of the others; the
+one-hot expert mask (N, K, E + 1) int64 lives through the loop. The CUDA kernels ``deepgemm``
+and ``sonicmoe`` are refused too.
 
 ``output_router_logits`` true (training with the load-balancing loss, weighted by
 ``router_aux_loss_coef``; :func:`load_balancing_loss`): every layer's router logits kept by
@@ -30,10 +56,10 @@ eager and SDPA, K = 1 to 3, b = 1 to 3, 2 to 4 layers, SGD and AdamW, full recom
 with recomputation of layer ranges or regrouped layers, or pipeline stages, it is refused.
 
 Refused unless at the default (:data:`UNMODELLED`): ``router_jitter_noise`` (multiplies
-the hidden states in place by noise), ``experts_implementation`` other than grouped_mm and the
-Llama family's refusals. The symbols: E (``num_local_experts``) and K (``num_experts_per_tok``)
-beside Mistral's. Under expert parallelism (``--ep``, :mod:`symmem.passes.expert`) the experts'
-nodes are replaced by :func:`ep_experts`, transformers' ``AllToAllEP`` dispatch and combine.
+the hidden states in place by noise) and the Llama family's refusals. The symbols: E
+(``num_local_experts``) and K (``num_experts_per_tok``) beside Mistral's. Under expert parallelism (``--ep``, :mod:`symmem.passes.expert`) the experts'
+nodes are replaced by :func:`ep_experts`, transformers' ``AllToAllEP`` dispatch and combine
+(grouped_mm's experts only: batched_mm's under expert parallelism are refused).
 """
 from __future__ import annotations
 
@@ -46,14 +72,18 @@ from .llama import IGNORED as LLAMA_IGNORED, UNMODELLED as LLAMA_UNMODELLED, Dec
 from .registry import Family, Unmodelled, register
 from . import checks
 
-__all__ = ["MixtralConfig", "build_mixtral", "moe_block", "load_balancing_loss", "ep_experts", "EXPERTS", "PRESETS",
-           "HF_IDS", "UNMODELLED", "IGNORED", "FAMILY"]
+__all__ = ["MixtralConfig", "build_mixtral", "moe_block", "grouped_mm_experts", "batched_mm_experts",
+           "load_balancing_loss", "ep_experts", "EXPERTS", "EXPERTS_IMPLEMENTATIONS", "PRESETS", "HF_IDS",
+           "UNMODELLED", "IGNORED", "FAMILY"]
 
 #: The nodes of :func:`moe_block` that run the experts (from the sorted pairs to the summed
 #: output): what expert parallelism replaces (:func:`ep_experts`), and the values it reads.
 EXPERTS = ("layers/mlp/experts/", "layers/mlp.experts.")
 EXPERTS_OUT, ROWS, TOP_K_INDEX, TOP_K_WEIGHTS = ("layers/mlp/experts/out", "layers/mlp/rows",
                                                  "layers/mlp/router/top_k_index", "layers/mlp/router/top_k_weights")
+
+#: transformers' ``experts_implementation`` values symmem models (None: its default, grouped_mm).
+EXPERTS_IMPLEMENTATIONS = (None, "grouped_mm", "batched_mm")
 
 
 @dataclass(frozen=True)
@@ -75,12 +105,18 @@ class MixtralConfig:
     num_experts_per_tok: int = 2
     attn_implementation: str | None = None
     output_router_logits: bool = False
+    experts_implementation: str | None = None
     name: str = "mixtral"
 
     def __post_init__(self):
         check_decoder(self)
         checks.positive_ints(self, "num_local_experts", "num_experts_per_tok")
         checks.booleans(self, "output_router_logits")
+        if self.experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            raise ConfigError("experts_implementation", self.experts_implementation,
+                              "\"grouped_mm\" (transformers' default, or null), \"batched_mm\"",
+                              "The others (eager's loop over the experts, the CUDA kernels deepgemm and "
+                              "sonicmoe) are not modelled: remove the key or set one of these.")
         if self.num_experts_per_tok > self.num_local_experts:
             raise ConfigError("num_experts_per_tok", self.num_experts_per_tok,
                               f"at most the number of experts num_local_experts ({self.num_local_experts})",
@@ -97,11 +133,12 @@ class MixtralConfig:
                        attn_implementation=self.attn_implementation, window=self.sliding_window)
 
 
-def moe_block(g: Graph, y: str) -> str:
+def moe_block(g: Graph, y: str, experts_implementation: str | None = None) -> str:
     """``MixtralSparseMoeBlock`` on the post-attention norm's output ``y`` (b, s, h), with the
-    grouped_mm experts; returns its (b, s, h) output. Names follow the parameters'
-    (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``)."""
-    N, S = b * s, b * s * K
+    experts of ``experts_implementation`` (None: transformers' default, grouped_mm); returns
+    its (b, s, h) output. Names follow the parameters' (``mlp.gate.weight``,
+    ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``)."""
+    N = b * s
 
     def add(op, *inputs, name, **attrs):
         return g.add(op, *inputs, name=f"layers/mlp/{name}", **attrs)
@@ -113,7 +150,26 @@ def moe_block(g: Graph, y: str) -> str:
     index = add("topk_indices", probs, k=K, name="router/top_k_index")
     top = add("topk", probs, index, name="router/top_k")
     weights = add("div_inplace", top, add("sum_last", top, name="router/sum"), name="router/top_k_weights")
-    # grouped_mm_experts_forward: sort the pairs by expert, gather the rows and the weights
+    g.hold(probs, until=weights)       # the router's probabilities until it returns
+    experts = batched_mm_experts if experts_implementation == "batched_mm" else grouped_mm_experts
+    out = experts(g, rows, index, weights)
+    moe = add("reshape", out, shape=(b, s, h), name="out")
+    # the block's locals until it returns (the router's logits in `_`, the top-k weights and
+    # indices) and the layer's `hidden_states` (y)
+    for value in (logits, index, weights, y):
+        g.hold(value, until=moe)
+    return moe
+
+
+def grouped_mm_experts(g: Graph, rows: str, index: str, weights: str) -> str:
+    """``grouped_mm_experts_forward`` on the (N, h) rows, the top-k indices and weights (N, K):
+    returns :data:`EXPERTS_OUT` (N, h)."""
+    S = b * s * K
+
+    def add(op, *inputs, name, **attrs):
+        return g.add(op, *inputs, name=f"layers/mlp/{name}", **attrs)
+
+    # sort the pairs by expert, gather the rows and the weights
     expert_ids = add("index_tensor", index, shape=(S,), dtype="int64", name="experts/expert_ids_g")
     perm = add("index_tensor", index, shape=(S,), dtype="int64", name="experts/perm")
     tokens = add("index_tensor", perm, shape=(S,), dtype="int64", name="experts/perm_div_k")
@@ -137,18 +193,44 @@ def moe_block(g: Graph, y: str) -> str:
     inverse = add("index_tensor", perm, shape=(S,), dtype="int64", temp=8 * S, name="experts/inv_perm")
     unsorted = add("gather_rows", weighted, inverse, name="experts/weighted_out")
     summed = add("sum_topk", unsorted, k=K, name="experts/final_hidden_states")
-    out = add("type_as", summed, rows, name="experts/out")
-    # the router's probabilities until it returns; the experts' locals until they return (the
-    # sorted ids, the permutation, the gathered rows and weights, histc's input and counts, the
-    # offsets, the last `proj_out` and `weighted_out`); the block's until it returns (the
-    # router's logits in `_`, the top-k weights and indices) and the layer's `hidden_states` (y)
-    g.hold(probs, until=weights)
+    out = g.add("type_as", summed, rows, name=EXPERTS_OUT)
+    # the experts' locals until they return (the sorted ids, the permutation, the gathered rows
+    # and weights, histc's input and counts, the offsets, the last `proj_out` and `weighted_out`)
     for value in (expert_ids, perm, xs, wg, hist_in, counts, offs, down, unsorted):
         g.hold(value, until=out)
-    moe = add("reshape", out, shape=(b, s, h), name="out")
-    for value in (logits, index, weights, y):
-        g.hold(value, until=moe)
-    return moe
+    return out
+
+
+def batched_mm_experts(g: Graph, rows: str, index: str, weights: str) -> str:
+    """``batched_mm_experts_forward`` on the (N, h) rows, the top-k indices and weights (N, K):
+    every row repeated K times (S, h), each pair's expert weights gathered (``gate_up_proj[
+    expert_ids]`` (S, 2f, h), then ``down_proj[expert_ids]`` (S, h, f)), one matrix-vector
+    product a pair (``torch.bmm``), the gate, the routing weights, the sum over a token's K
+    pairs; returns the (N, h) output."""
+    S = b * s * K
+
+    def add(op, *inputs, name, **attrs):
+        return g.add(op, *inputs, name=f"layers/mlp/batched_mm/{name}", **attrs)
+
+    xs = add("repeat_rows", rows, k=K, name="selected_hidden_states")
+    expert_ids = add("reshape", index, shape=(S,), name="expert_ids")
+    w_gate_up = g.add("gather_param", expert_ids, params=(g.param("mlp.experts.gate_up_proj", (E, 2 * f, h)),),
+                      name="layers/mlp.experts.gate_up_proj")
+    gate_up = add("batched_linear", xs, w_gate_up, name="gate_up")
+    gate = add("split", gate_up, parts=2, index=0, name="gate")
+    up = add("split", gate_up, parts=2, index=1, name="up")
+    act = add("mul", add("silu", gate, name="act"), up, name="gated")
+    w_down = g.add("gather_param", expert_ids, params=(g.param("mlp.experts.down_proj", (E, h, f)),),
+                   name="layers/mlp.experts.down_proj")
+    g.hold(w_gate_up, until=w_down)            # `selected_weights` until rebound
+    down = add("batched_linear", act, w_down, name="down")
+    weighted = add("mul", down, add("reshape", weights, shape=(S, 1), name="sample_weights"), name="weighted")
+    summed = add("sum_topk", weighted, k=K, name="final_hidden_states")
+    out = add("type_as", summed, rows, name="out")
+    # its locals until it returns: the repeated rows, the down weights, `proj_out`, `weighted_out`
+    for value in (xs, w_down, down, weighted):
+        g.hold(value, until=out)
+    return out
 
 
 def ep_experts(g: Graph, ep, worst: bool = False) -> str:
@@ -297,7 +379,7 @@ def load_balancing_loss(g: Graph, loss: str) -> str:
 def build_mixtral(cfg: MixtralConfig) -> Graph:
     """The operator graph of one MixtralForCausalLM training forward, loss included (with the
     load-balancing loss where ``output_router_logits`` is true: :func:`load_balancing_loss`)."""
-    g = build_decoder(cfg.decoder(), mlp=moe_block)
+    g = build_decoder(cfg.decoder(), mlp=lambda g, y: moe_block(g, y, cfg.experts_implementation))
     g.bindings.update({E: cfg.num_local_experts, K: cfg.num_experts_per_tok})
     g.require(K, E, "each token is routed to K distinct experts")
     if cfg.output_router_logits:
@@ -312,9 +394,6 @@ HF_IDS = {"mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1"}
 UNMODELLED = LLAMA_UNMODELLED + (
     Unmodelled("router_jitter_noise", (0.0, 0),
                "noise multiplied into the hidden states in place before the router"),
-    Unmodelled("experts_implementation", ("grouped_mm", None),
-               "transformers' default; eager loops over the experts and holds what the token counts "
-               "per expert decide", fix="Remove the key or set it to \"grouped_mm\"."),
 )
 
 IGNORED = {
@@ -325,11 +404,12 @@ IGNORED = {
 FAMILY = register(Family(
     name="mixtral",
     description="Mixtral as Hugging Face's MixtralForCausalLM runs it (Mistral's decoder with a sparse "
-                "mixture of E experts, top-K routing, transformers' grouped_mm experts)",
+                "mixture of E experts, top-K routing, transformers' grouped_mm or batched_mm experts)",
     config=MixtralConfig,
     build=build_mixtral,
     model_types=("mixtral",),
-    aliases={"_attn_implementation": "attn_implementation", "num_experts": "num_local_experts"},
+    aliases={"_attn_implementation": "attn_implementation", "num_experts": "num_local_experts",
+             "_experts_implementation": "experts_implementation"},
     required=("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
     presets=PRESETS,
     hf_ids=HF_IDS,

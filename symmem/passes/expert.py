@@ -37,8 +37,8 @@ def prepare(graph, policy):
     par = policy.parallel
     ep = par.ep
     if not any(n.name == EXPERTS_OUT for n in graph.nodes()):
-        raise ConfigError("ep", ep, f"1 for {graph.name}: it has no mixture of experts (Mixtral's) to split",
-                          "Leave --ep out.")
+        raise ConfigError("ep", ep, f"1 for {graph.name}: it has no mixture of experts (Mixtral's, with the default "
+                          "experts_implementation grouped_mm) to split", "Leave --ep out.")
     others = [name for name, on in (("--tp", not isinstance(par.tp, int) or par.tp > 1),
                                     ("--cp", not isinstance(par.cp, int) or par.cp > 1), ("--pp", par.pp > 1)) if on]
     if others:

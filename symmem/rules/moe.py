@@ -1,11 +1,13 @@
 """Mixture-of-experts ops: the router's top-k and the renormalisation of its weights, the
 integer bookkeeping of the dispatch, row gathers, grouped matrix products and the sum over
 the K experts of a token, as transformers 5 runs them (``MixtralTopKRouter`` in
-``models/mixtral/modeling_mixtral.py`` and ``grouped_mm_experts_forward`` in
-``integrations/moe.py``), plus a reshape that is a view. None of the aten ops here is on an
-autocast list of PyTorch 2.13 (``topk``, ``sort``, ``histc``, ``index``, ``_grouped_mm``:
-checked against ``torch._C._dispatch_get_registrations_for_dispatch_key``): they run in
-their inputs' dtypes.
+``models/mixtral/modeling_mixtral.py``, ``grouped_mm_experts_forward`` and
+``batched_mm_experts_forward`` in ``integrations/moe.py``: the latter's repeated rows,
+gathered expert weights and batched products), plus a reshape that is a view. Of the aten ops
+here only ``bmm`` is on an autocast list of PyTorch 2.13 (``topk``, ``sort``, ``histc``,
+``index``, ``repeat_interleave``, ``_grouped_mm`` are not: checked against
+``torch._C._dispatch_get_registrations_for_dispatch_key``): the others run in their inputs'
+dtypes.
 
 Notation: N = b s tokens, S = N K (token, expert) pairs, E experts, h and f the hidden and
 intermediate sizes. The saved tensors were read off ``derivatives.yaml`` and checked with
@@ -15,11 +17,11 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ShapeError
-from .core import BOOL, F32, I64, DType, Footprint, Saved, TensorInfo, _grads, rule
+from .core import BOOL, F32, I64, DType, Footprint, Saved, TensorInfo, _grads, _promote, _same, rule
 
 __all__ = ["reshape_rule", "topk_indices_rule", "topk_rule", "sum_last_rule", "div_inplace_rule",
            "index_tensor_rule", "gather_rows_rule", "grouped_mm_rule", "sum_topk_rule", "all_to_all_rule",
-           "masked_fill_rule"]
+           "masked_fill_rule", "repeat_rows_rule", "gather_param_rule", "batched_linear_rule"]
 
 _INT32 = DType("int32", sp.Integer(4), 0)
 _DTYPES = {"int64": I64, "int32": _INT32, "float32": F32, "bool": BOOL}
@@ -169,3 +171,53 @@ def masked_fill_rule(node, ins, ctx):
     saved = (Saved("mask", "in1"),) if x.requires_grad else ()
     out = TensorInfo(x.shape, x.dtype, x.contiguous if node.attr("inplace") else True, x.requires_grad)
     return Footprint(out, alias=0 if node.attr("inplace") else None, saved=saved, grads=(_grads([x])[0], None))
+
+
+@rule("repeat_rows")
+def repeat_rows_rule(node, ins, ctx):
+    """``x.repeat_interleave(K, dim=0)`` of x (N, h): a new (N K, h) tensor, each row K times
+    in a row (transformers' ``batched_mm_experts_forward``). Saves nothing; backward sums
+    each row's K copies, x's gradient a new (N, h) tensor."""
+    x = ins[0]
+    k = sp.sympify(node.attr("k"))
+    return Footprint(TensorInfo((x.shape[0] * k,) + tuple(x.shape[1:]), x.dtype, True, x.requires_grad),
+                     grads=_grads(ins))
+
+
+@rule("gather_param")
+def gather_param_rule(node, ins, ctx):
+    """``W[idx]`` for the parameter W (E, ...) and a 1-D int64 idx of length S: a new (S, ...)
+    copy of the rows in W's dtype (``self.gate_up_proj[expert_ids]`` in transformers'
+    ``batched_mm_experts_forward``). IndexBackward0 saves the indices (no new memory);
+    backward makes W's gradient as a new zero tensor of W's shape and accumulates the
+    rows into it (``index_put_``)."""
+    idx = ins[0]
+    (w,) = node.params
+    if len(idx.shape) != 1:
+        raise ShapeError(node.name, idx.shape, "a 1-D index")
+    return Footprint(TensorInfo(tuple(idx.shape) + tuple(w.shape[1:]), ctx.param_dtype),
+                     saved=(Saved("index", "in0"),), grads=(None,))
+
+
+@rule("batched_linear")
+def batched_linear_rule(node, ins, ctx):
+    """transformers' ``_batched_linear(x, W)``: ``torch.bmm(W, x.unsqueeze(-1)).squeeze(-1)``
+    for x (S, in) and W (S, out, in), one matrix a row (``integrations/moe.py``): a new (S,
+    out) tensor. BmmBackward0 saves both operands: no new memory, or under autocast (``bmm``
+    is on the lower-precision lists) their half copies, made for the kernel. Backward makes
+    both gradients, new; under autocast in the half dtype, then each cast back to its
+    operand's dtype, the weight's first (autocast cast the input first)."""
+    x, w = ins
+    if len(w.shape) != 3 or not _same(x.shape[-1], w.shape[2]):
+        raise ShapeError(node.name, (x.shape, w.shape), "x (S, in) and W (S, out, in)")
+    cast = ctx.autocast_dtype("bmm")
+    dt = _promote(x.dtype, w.dtype) if cast is None else cast
+    saved, back = [], []
+    for i, (t, label) in reversed(list(enumerate(((x, "input"), (w, "weights"))))):
+        if ctx.same(t.dtype, dt):
+            saved.append(Saved(label, f"in{i}"))
+        else:
+            saved.append(Saved(f"{label} (autocast copy)", "new", t.numel, dt))
+            back.append(("in", i, t.numel * dt.nbytes))
+    return Footprint(TensorInfo((x.shape[0], w.shape[1]), dt), saved=tuple(saved), grads=_grads(ins),
+                     bwd_temp=sum((nbytes for _, _, nbytes in back), sp.Integer(0)), cast_back=tuple(back))
