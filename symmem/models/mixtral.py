@@ -28,8 +28,9 @@ output and the gated product 2 S f (times the activations' bytes), the top-k wei
 827,520 bytes in float32 at N = 16, K = 2, h = 32, f = 64, where grouped_mm saves 41,872.
 Under autocast ``bmm`` saves the operands' half copies; the float32 gathered gate-up weights
 live, unsaved, in ``selected_weights`` until the down ones are gathered. Backward: each
-gathered weight's gradient (S, out, in), accumulated into a zero tensor of the whole parameter
-(IndexBackward0's ``index_put_``), the parameter's gradient. Measured exact (float32, bfloat16
+gathered weight's gradient (S, out, in), summed into a zero tensor of the whole parameter by
+IndexBackward0's out-of-place ``index_put``, whose result is the parameter's gradient (the
+zeros and the result, both the parameter's size, live while it runs). Measured exact (float32, bfloat16
 autocast, a bfloat16 model, eager and SDPA, K = 1, 2 and E, SGD and AdamW, balanced, all-on-K
 and random routing, full recomputation); CUDA runs the same ops (its saved bytes checked on
 the meta device).

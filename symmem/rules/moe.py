@@ -189,14 +189,15 @@ def gather_param_rule(node, ins, ctx):
     """``W[idx]`` for the parameter W (E, ...) and a 1-D int64 idx of length S: a new (S, ...)
     copy of the rows in W's dtype (``self.gate_up_proj[expert_ids]`` in transformers'
     ``batched_mm_experts_forward``). IndexBackward0 saves the indices (no new memory);
-    backward makes W's gradient as a new zero tensor of W's shape and accumulates the
-    rows into it (``index_put_``)."""
+    backward makes a zero tensor of W's shape and W's gradient from it, out of place
+    (``zeros.index_put(indices, grad, accumulate=True)``): two tensors of W's size while it
+    runs, the zeros freed after it (measured)."""
     idx = ins[0]
     (w,) = node.params
     if len(idx.shape) != 1:
         raise ShapeError(node.name, idx.shape, "a 1-D index")
     return Footprint(TensorInfo(tuple(idx.shape) + tuple(w.shape[1:]), ctx.param_dtype),
-                     saved=(Saved("index", "in0"),), grads=(None,))
+                     saved=(Saved("index", "in0"),), grads=(None,), bwd_temp=w.numel * ctx.param_dtype.nbytes)
 
 
 @rule("batched_linear")
