@@ -2,8 +2,8 @@
 
 All data-parallel ranks run alike, so the plan of one is the estimate. Beside tensor
 parallelism (its pass runs first) a rank's parameters are its tensor-parallel split ones
-(:func:`symmem.passes.tensor.local_shapes`): those are sharded, padded and gathered. ``n`` is the shard
-degree: the symbol ``d`` (bound to ``dp`` where it is a number), or a hybrid group's
+(:func:`symmem.passes.tensor.local_shapes`): those are sharded, padded and gathered. ``n`` is
+the shard degree: the symbol ``d`` (bound to ``dp`` where it is a number), or a hybrid group's
 ``shard_size``. Formulas stay symbolic in ``d``. Under ZeRO a sharded tensor of ``N`` elements
 is counted ``N / n``: exact where ``n`` divides; otherwise DeepSpeed pads each flat partition
 to a multiple of ``n`` (at most ``n - 1`` elements more, not counted). FSDP2 pads each
@@ -107,7 +107,7 @@ from ..plan import Alloc, Backward, Begin, Compute, End, Free, Key, Mark, Plan
 from ..requirements import Requirement
 from ..symbols import B_a, B_g, B_m, B_w, d
 
-__all__ = ["prepare", "apply", "unit_bytes", "padded_rows"]
+__all__ = ["prepare", "apply", "unit_bytes", "padded_rows", "written_out"]
 
 ZERO = sp.Integer(0)
 
@@ -131,9 +131,9 @@ def written_out(graph) -> dict:
 def unit_bytes(graph, factor=None, local=None) -> tuple[dict, sp.Expr, dict, sp.Expr]:
     """(weight bytes of one iteration of each repeated block by name, and of each layer
     written out of one (:func:`written_out`), of the root's params, gradient bytes likewise):
-    the units ZeRO-3 and FSDP gather. ``factor(p)``: each
-    parameter's bytes times it (FSDP2's padding: :func:`padded_rows`); ``local``: {name:
-    parameter} as one tensor-parallel rank holds it, where it is split."""
+    the units ZeRO-3 and FSDP gather. ``factor(p)``: each parameter's bytes times it (FSDP2's
+    padding: :func:`padded_rows`); ``local``: {name: parameter} as one tensor-parallel rank
+    holds it, where it is split."""
     f = factor or (lambda p: 1)
     local = local or {}
     units, grads, inner = {}, {}, set()
