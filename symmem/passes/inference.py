@@ -58,6 +58,10 @@ decoding step dequantizes the whole cache for attention and drops the previous f
 when ``update`` returns. Refused: autocast (PyTorch cannot ``cat`` fp8 tensors under it) and
 sliding-window layers (QuantizedCache refuses them). The quanto and HQQ backends are refused by
 the policy.
+
+With one kv head (the model binding k = 1) a quantized cache's prefill hands attention the
+states through a (b, 1, s, d) view (``kv_one_head``), contiguous, which ``repeat_kv`` expands
+without copying, as it does the cache's tensors of the other caches.
 """
 from __future__ import annotations
 
@@ -442,6 +446,19 @@ def _base(attention: str) -> str:
     return attention.rsplit("/", 1)[0] + "/" if "/" in attention else attention + "/"
 
 
+def _one_head(g: Graph, put_new, base: str, pairs) -> dict:
+    """A quantized cache's prefill quantizes the states and returns them to attention: for one
+    kv head (the model binding k = 1) through their (b, 1, s, d) view (``kv_one_head``, which
+    ``repeat_kv`` expands without a copy); ``{states: view}``."""
+    out = {}
+    for states, which in pairs:
+        b, heads, q, d = g._lookup_shape(states)
+        if heads != 1 and _cached_heads(g, (b, heads, q, d)) == 1:
+            out[states] = put_new(Node(f"{base}{which}_one_head", "kv_one_head", (states,),
+                                       shape=(b, sp.Integer(1), q, d)))
+    return out
+
+
 def _cached_heads(g: Graph, shape):
     """The kv heads of a cache tensor as the model binds them: one kv head (multi-query) is
     the model's own 1, so that repeat_kv sees a view."""
@@ -471,10 +488,12 @@ def _fp8_update(g: Graph, put_new, base: str, key: str, value: str, length, deco
                             attrs=(("fp8", fp8), ("kv_heads", heads), ("length", length), ("which", which)),
                             shape=(shape[0], heads, length, shape[3])))
     if not decode:
+        returned = _one_head(g, put_new, base, pairs)
         for states, which in pairs:
+            states = returned.get(states, states)
             scale = put_new(Node(f"{base}{which}_scale", "kv_fp8_scale", (states,), shape=()))
             cache(states, which, (states, scale), "calibrated")
-        return {}, []
+        return returned, []
     new = [put_new(Node(f"{base}{which}_new", "kv_fp8_quantize", (states,), shape=g._lookup_shape(states)))
            for states, which in pairs]
     cached = [cache(states, which, (n,), "append") for (states, which), n in zip(pairs, new)]

@@ -41,7 +41,8 @@ Layout (module -> rules):
   sdpa_kernel (flash, mem-efficient, cuDNN), sdpa_causal_mask;
 - ``cache``: kv_cache (a layer's keys or values appended to the KV cache, inference),
   static_sdpa_mask, sdpa_float_mask, static_seq_length (a StaticCache's decoding step),
-  kv_fp8_scale, kv_fp8_quantize, kv_fp8_dequantize (an fp8 QuantizedCache);
+  kv_fp8_scale, kv_fp8_quantize, kv_fp8_dequantize (an fp8 QuantizedCache), kv_one_head (one kv
+  head's states a quantized cache's prefill returns);
 - ``embeddings``: embedding, positions, position_embedding, ones_like_ids, cumsum_positions,
   offset_ids (OPT's positions), rotary, rope, causal_mask;
 - ``losses``: nll_loss;
@@ -68,8 +69,8 @@ from .core import (BOOL, F32, F64, I64, RULES, Ctx, DType, Footprint, NodeLike, 
                    TensorInfo, get_rule, infer_shape, rule)
 # the kind modules register their rules on import
 from .attention import attention_rule, sdpa_causal_mask_rule, sdpa_kernel_rule
-from .cache import (fp8_dequantize_rule, fp8_quantize_rule, fp8_scale_rule, kv_cache_rule, sdpa_float_mask_rule,
-                    static_sdpa_mask_rule, static_seq_length_rule)
+from .cache import (fp8_dequantize_rule, fp8_quantize_rule, fp8_scale_rule, kv_cache_rule, kv_one_head_rule,
+                    sdpa_float_mask_rule, static_sdpa_mask_rule, static_seq_length_rule)
 from .generation import last_position_rule
 from .elementwise import (add_rule, clone_rule, dropout_rule, gelu_new_rule, gelu_rule, mul_rule, relu_rule,
                           scale_rule, silu_rule, to_compute_rule, to_float32_rule, to_param_dtype_rule,

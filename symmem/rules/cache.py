@@ -12,7 +12,7 @@ from .core import BOOL, F32, I64, Footprint, TensorInfo, rule
 from .fp8 import FP8
 
 __all__ = ["kv_cache_rule", "static_update_temp", "static_sdpa_mask_rule", "sdpa_float_mask_rule",
-           "static_seq_length_rule", "fp8_scale_rule", "fp8_quantize_rule", "fp8_dequantize_rule", "fp8_cast_temp"]
+           "static_seq_length_rule", "fp8_scale_rule", "fp8_quantize_rule", "fp8_dequantize_rule", "fp8_cast_temp", "kv_one_head_rule"]
 
 
 @rule("kv_cache")
@@ -58,6 +58,18 @@ def static_update_temp(new):
     arange freed after it, the sum kept through both ``index_copy_``, which write in place and
     allocate nothing). Charged to the value node, when both tensors exist."""
     return 16 * sp.sympify(new)
+
+
+@rule("kv_one_head")
+def kv_one_head_rule(node, ins, ctx):
+    """Key or value states of one kv head (multi-query attention, the model binding k = 1) as
+    a quantized cache's prefill hands them back to attention: a (b, 1, q, d) view of them,
+    contiguous even where it is a transposed view (PyTorch ignores the stride of a dimension
+    of size 1), so that ``repeat_kv``'s reshape is a view and ``.contiguous()`` returns the
+    tensor itself. Nothing allocated. Input: the states (b, k, q, d)."""
+    (x,) = ins
+    return Footprint(TensorInfo((x.shape[0], sp.Integer(1), *x.shape[2:]), x.dtype, True, x.requires_grad), alias=0,
+                     grads=(None,))
 
 
 @rule("static_sdpa_mask")
