@@ -30,6 +30,7 @@ from .graph import Node
 from .gpus import CATALOG, DEFAULT_RESERVE, budget as make_budget
 from .printing import latex as render_latex_expr
 from .policy import PARTS, Parallel, Policy
+from .policy.inference import QUANTO_BITS
 from .policy.parallel import DEGREES
 from .plan import ROLES
 
@@ -125,6 +126,10 @@ def _tie_option(p):
                         + " (comma-separated)")
 
 
+#: The policy parts given as whole numbers.
+INT_FIELDS = ("accumulate", "max_cache_len", "residual_length", "q_group_size", "residual_position")
+
+
 def _policy_options(p):
     """One option per policy part (symmem.policy.PARTS), its names listed from the part's
     registry. Names are checked by Policy (exit 1, with a "did you mean" hint), not by
@@ -132,7 +137,7 @@ def _policy_options(p):
     for part in PARTS:
         names = f": {' | '.join(part.registry.names())}" if part.registry is not None else ""
         p.add_argument(part.option, dest=part.field, metavar=part.metavar, default=part.default,
-                       type=int if part.field in ("accumulate", "max_cache_len") else str,
+                       type=int if part.field in INT_FIELDS else str,
                        help=f"{part.help}{names} (default: {part.default})".replace("%", "%%"))
     _parallel_options(p)
 
@@ -419,6 +424,8 @@ def policy_inputs(policy: Policy) -> dict:
         del out["cache"], out["logits"]
     if policy.cache != "static":        # nor a static cache's length to another cache
         del out["max_cache_len"]
+    if policy.cache not in QUANTO_BITS:     # nor a quanto cache's residual to another
+        del out["residual_length"], out["q_group_size"], out["residual_position"]
     return out
 
 
@@ -898,6 +905,11 @@ def _policy_entries(part) -> list[tuple[str, str]]:
             "keep_fp32": [("NAMES", "module names (lm_head, attn: every operator of the module)"),
                           ("first:N, last:N", "the first or last N layers of the repeated block")],
             "max_cache_len": [("N", "positions a static cache preallocates (default: s + n_g)")],
+            "residual_length": [("N", "a quanto cache's positions kept unquantized (default: 128)")],
+            "q_group_size": [("G", "a quanto cache's elements per scale and shift, dividing kv heads x positions x "
+                                   "head_dim of what it quantizes (default: 64)")],
+            "residual_position": [("P", "0 to residual_length - 1: the decoding step n_g with n_g - 1 ≡ P "
+                                        "(mod residual_length); default residual_length - 1, the flush")],
             }[part.field]
 
 

@@ -739,7 +739,8 @@ def inference_pass(module: torch.nn.Module, fn: Callable[[], Any], *, extra: Any
 
 def generation(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, *, cache: str = "dynamic",
                max_cache_len: int | None = None, autocast: torch.dtype | None = None,
-               logits: str = "last") -> tuple[PassReport, PassReport, int]:
+               logits: str = "last", residual_length: int = 128,
+               q_group_size: int = 64) -> tuple[PassReport, PassReport, int]:
     """Text generation as transformers' ``generate`` runs a causal LM, tracked as symmem's
     inference mode derives it: the prefill of the prompt ``ids`` (b, s), ``new_tokens - 1``
     untracked decoding steps, then the tracked one, after which the cache holds s +
@@ -748,17 +749,23 @@ def generation(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, *, ca
 
     ``cache``: transformers' ``DynamicCache`` (``"dynamic"``), ``StaticCache`` of
     ``max_cache_len`` positions (``"static"``; its layers' ``cumulative_length`` counters, made
-    before the prefill, are part of it) or ``QuantizedCache(backend="fp8")`` (``"fp8"``: (fp8
-    tensor, float32 scale) pairs). ``autocast``: the dtype of ``torch.autocast`` over each
-    forward (None: off). ``logits``: ``"last"`` calls the model with ``logits_to_keep=1``, as
+    before the prefill, are part of it), ``QuantizedCache(backend="fp8")`` (``"fp8"``: (fp8
+    tensor, float32 scale) pairs) or ``QuantizedCache(backend="quanto")`` (``"quanto-int4"``,
+    ``"quanto-int2"``, of ``residual_length`` and ``q_group_size``: each layer's packed codes,
+    scales and shifts, and its residual keys and values). ``autocast``: the dtype of
+    ``torch.autocast`` over each forward (None: off). ``logits``: ``"last"`` calls the model with ``logits_to_keep=1``, as
     ``generate`` does; ``"all"`` without it. The new tokens are random (the memory does not
     depend on them)."""
     import transformers
+    from .policy.inference import QUANTO_BITS
     keep = 1 if logits == "last" else 0
     if cache == "static":
         kv = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
     elif cache == "fp8":
         kv = transformers.QuantizedCache(backend="fp8", config=model.config)
+    elif cache in QUANTO_BITS:
+        kv = transformers.QuantizedCache(backend="quanto", config=model.config, nbits=QUANTO_BITS[cache],
+                                         residual_length=residual_length, q_group_size=q_group_size)
     else:
         kv = transformers.DynamicCache(config=model.config)
     device = ids.device
@@ -769,6 +776,9 @@ def generation(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, *, ca
     def tensors():      # what the cache holds
         if cache == "fp8":
             return [t for x in kv.layers for t in (*x._quantized_keys, *x._quantized_values)]
+        if cache in QUANTO_BITS:       # a WeightQBitsTensor has no storage: its packed codes, scale, shift
+            return [t for x in kv.layers for q in (x._quantized_keys, x._quantized_values)
+                    for t in _inner_tensors(q)] + [t for x in kv.layers for t in (x.keys, x.values)]
         return [t for x in kv.layers for t in (x.keys, x.values)] + counters()
 
     def forward(x):

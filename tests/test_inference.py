@@ -94,7 +94,7 @@ def test_unknown_mode_and_cache():
         sm.Policy(mode="inference", cache="paged")
     with pytest.raises(ConfigError) as err:    # QuantizedCache: not modelled, with the reason
         sm.Policy(mode="inference", cache="quantized")
-    assert err.value.field == "cache" and "quanto or HQQ" in str(err.value) and "--cache fp8" in str(err.value)
+    assert err.value.field == "cache" and "HQQ backend" in str(err.value) and "--cache quanto-int4" in str(err.value)
 
 
 def test_fp8_cache():
@@ -117,6 +117,59 @@ def test_fp8_cache_refusals(model, precision, words):
     with pytest.raises(ConfigError) as err:
         sm.estimate(model, sm.Policy(precision, mode="inference", cache="fp8"))
     assert err.value.field == "cache" and all(w in str(err.value) for w in words)
+
+
+def test_quanto_cache():
+    """QuantizedCache(backend="quanto"), transformers' defaults (residual_length 128,
+    q_group_size 64). Llama-2-7b in bf16, b = 4, s = 1000, each layer's keys and values
+    quantized in 4*32*T*128 / 64 = 256 T groups, packed 2 (int4) or 4 (int2) a byte, and a
+    2-byte scale and shift a group. The flush (n_g = 128): T = 1128, 288,768 groups: 144,384 *
+    64 packed bytes + 4 * 288,768 = 10,395,648 a tensor, * 64 tensors = 665,321,472. The step
+    n_g = 1: T = 1000, 256,000 groups (8,192,000 + 1,024,000 bytes) and one position in the
+    residual (4*32*128*2 = 32,768): 9,248,768 a tensor, 591,921,152; int2: 64,000 packed rows,
+    329,777,152. The dynamic cache of 1001 positions: 524,288 * 4 * 1001."""
+    model = "llama-2-7b"
+    flush = sm.estimate(model, sm.Policy("bf16", mode="inference", cache="quanto-int4")).at(b=4, s=1000, n_g=128)
+    assert flush.bytes["cache"] == 665_321_472
+    first = {bits: sm.estimate(model, sm.Policy("bf16", mode="inference", cache=f"quanto-int{bits}",
+                                                residual_position=0)).at(b=4, s=1000, n_g=1)
+             for bits in (4, 2)}
+    assert (first[4].bytes["cache"], first[2].bytes["cache"]) == (591_921_152, 329_777_152)
+    dyn = sm.estimate(model, sm.Policy("bf16", mode="inference")).at(b=4, s=1000, n_g=1)
+    assert dyn.bytes["cache"] == 524_288 * 4 * 1001
+    assert first[2].peak < first[4].peak < dyn.peak
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(precision="bf16-mixed"), ["cache", "--precision bf16-mixed (autocast)", "not measured"]),
+    (dict(model="mistral-7b"), ["cache", "sliding window (4096)", "--cache dynamic"]),
+    (dict(residual_position=128), ["residual_position", "from 0 to residual_length - 1 = 127"]),
+    (dict(residual_length=0), ["residual_length", "a whole number >= 1", "default, 128"]),
+    (dict(cache="dynamic", q_group_size=32), ["q_group_size", "a quanto cache", "--cache quanto-int4"]),
+])
+def test_quanto_cache_refusals(kwargs, words):
+    """Not modelled: autocast (not measured), sliding-window layers (QuantizedCache refuses
+    them); a residual position outside the residual; the quanto options without a quanto cache."""
+    model, precision = kwargs.pop("model", "llama-2-7b"), kwargs.pop("precision", "bf16")
+    kwargs = {"cache": "quanto-int4", **kwargs}
+    with pytest.raises(ConfigError) as err:
+        sm.estimate(model, sm.Policy(precision, mode="inference", **kwargs))
+    assert err.value.field == words[0] and all(w in str(err.value) for w in words[1:])
+
+
+@pytest.mark.parametrize("group,n_g,words", [
+    (64, 100, ["n_g = 100", "at least 128", "--residual-position (n_g - 1) mod 128"]),
+    (64, 200, ["n_g - 128 = 72", "a multiple of 128"]),
+    (3, 128, ["= 4096000", "a multiple of 3", "q_group_size divides"]),
+])
+def test_quanto_cache_steps(group, n_g, words):
+    """The formulas hold for the decoding steps of the residual position they were derived for
+    (the flush by default: n_g = 128, 256, ...) and where q_group_size divides what is quantized
+    (kv heads x positions x head_dim: the prompt's 32 * 1000 * 128 is not a multiple of 3)."""
+    est = sm.estimate("llama-2-7b", sm.Policy("bf16", mode="inference", cache="quanto-int4", q_group_size=group))
+    with pytest.raises(ConfigError) as err:
+        est.at(b=1, s=1000, n_g=n_g)
+    assert all(w in str(err.value) for w in words)
 
 
 QWEN2_MIXED = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}

@@ -1,9 +1,9 @@
 """Inference against Hugging Face's own causal LMs (Llama, Qwen2, Mistral, GPT-2, GPT-NeoX,
 OPT) on the CPU: the prefill of a prompt and one decoding step with transformers'
-``DynamicCache`` (or ``StaticCache``, or ``QuantizedCache`` in fp8), under ``torch.no_grad`` (random weights, small configs,
-no download). Each case checks, to the byte, the peak of the prefill, the peak of the decoding
-step and the KV cache after it, measured by :func:`symmem.measure.generation` (live storages
-after every operator)."""
+``DynamicCache`` (or ``StaticCache``, or ``QuantizedCache`` in fp8 or with quanto at 4 and 2
+bits), under ``torch.no_grad`` (random weights, small configs, no download). Each case checks,
+to the byte, the peak of the prefill, the peak of the decoding step and the KV cache after it,
+measured by :func:`symmem.measure.generation` (live storages after every operator)."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -69,7 +69,8 @@ def assert_generation_exact(est, model, precision, b, s, n_g, V):
     ids = torch.randint(0, V, (b, s))
     length = (pol.max_cache_len or s + n_g) if pol.cache == "static" else None
     prefill, decode, cached = generation(model, ids, n_g, cache=pol.cache, max_cache_len=length, logits=pol.logits,
-                                         autocast=torch.bfloat16 if precision == "bf16-mixed" else None)
+                                         autocast=torch.bfloat16 if precision == "bf16-mixed" else None,
+                                         residual_length=pol.residual_length, q_group_size=pol.q_group_size)
     subs = est._subs({"b": b, "s": s, "n_g": n_g})
     predicted = {step: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == step)
                  for step in ("prefill", "decode")}
@@ -195,6 +196,63 @@ def test_fp8_cache_exact(family, point, attention, precision, n_g):
     # float32 scale: e.g. llama b2 s8 n3, 2 kv heads of 8 in 2 layers: 2*2*2*11*8*2 + 4*4 = 1,424
     assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == 2 * L * b * kv * (s + n_g) * (h // a) + 8 * L
     assert_generation_exact(est, model, precision, b, s, n_g, V)
+
+
+def quanto_cache_bytes(b, s, kv, d, L, B, n_g, bits, group, residual_length):
+    """A quanto cache after decoding step n_g, counted as optimum-quanto lays it out: each
+    layer's keys and values quantized over T positions, (b kv T d / g) groups of g codes packed
+    8 / bits a byte along the groups (ceil(groups · bits / 8) · g bytes), a scale and a shift a
+    group in the states' B bytes; the residual of the r positions since in B bytes an element.
+    T + r = s + n_g, r = n_g mod residual_length (the flush empties it)."""
+    r = n_g % residual_length
+    groups = b * kv * (s + n_g - r) * d // group
+    return 2 * L * (-(-groups * bits // 8) * group + 2 * groups * B + b * kv * r * d * B)
+
+
+# (family, point, attention, precision, n_g, bits): residual_length 3, q_group_size 8; steps 1
+# and 4 find an empty residual, 2 one position, 3 two (the flush: 3 positions reached)
+QUANTO = [
+    ("llama", POINTS[0], "eager", "fp32", 3, 4),
+    ("llama", POINTS[0], "sdpa", "bf16", 2, 2),
+    ("llama", POINTS[0], "sdpa", "fp32", 4, 2),
+    ("llama", POINTS[1], "eager", "bf16", 3, 2),
+    ("llama", POINTS[2], "eager", "bf16", 3, 4),     # b = 1, multi-query; 19 groups: the packing rounds up
+    ("qwen2", POINTS[1], "sdpa", "fp32", 1, 4),
+    ("gpt2", POINTS[0], "eager", "fp32", 2, 4),
+    ("gpt_neox", POINTS[0], "sdpa", "bf16", 3, 2),
+    ("opt", POINTS[1], "sdpa", "bf16", 3, 4),
+]
+
+
+@pytest.mark.parametrize("family,point,attention,precision,n_g,bits", QUANTO,
+                         ids=[f"{fam}-b{p[0]}-s{p[1]}-k{p[5]}-{at}-{pr}-n{n}-int{q}"
+                              for fam, p, at, pr, n, q in QUANTO])
+def test_quanto_cache_exact(family, point, attention, precision, n_g, bits):
+    """transformers' QuantizedCache(backend="quanto"): keys and values quantized at the prefill,
+    each decoding step dequantizing them and appending its position to the residual, or
+    re-quantizing everything once the residual reaches residual_length (the flush). Peaks of
+    both steps and the cache, to the byte, the step's residual position from n_g."""
+    pytest.importorskip("optimum.quanto")
+    b, s, h, f, a, k, L, V = point
+    model, est = model_and_estimate(family, point, attention, precision, cache=f"quanto-int{bits}",
+                                    residual_length=3, q_group_size=8, residual_position=(n_g - 1) % 3)
+    kv = a if family in ("gpt2", "gpt_neox", "opt") else k      # multi-head families: k unused
+    B = 4 if precision == "fp32" else 2
+    assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == quanto_cache_bytes(b, s, kv, h // a, L, B, n_g, bits, 8, 3)
+    assert_generation_exact(est, model, precision, b, s, n_g, V)
+
+
+def test_quanto_cache_bytes():
+    """The count above by hand. Llama b2 s8 n3 (the flush), 2 kv heads of 8 in 2 layers, fp32,
+    int4: 2*2*11*8 / 8 = 44 groups, 22 packed rows of 8 codes (176 bytes), 2*44*4 = 352 bytes
+    of scales and shifts: 528 a tensor, 2,112 in all. b1 s16 n3, one kv head, bf16, int4:
+    1*1*19*8 / 8 = 19 groups, ceil(19 / 2) = 10 packed rows (80 bytes) and 2*19*2 = 76: 156 a
+    tensor, 624 in all. Step 2 of the first: the prompt's 8 positions quantized (32 groups: 128
+    + 256 bytes), the two generated since in the residual (2*2*2*8*4 = 256): 640 a tensor,
+    2,560."""
+    assert quanto_cache_bytes(2, 8, 2, 8, 2, 4, 3, 4, 8, 3) == 2_112
+    assert quanto_cache_bytes(1, 16, 1, 8, 2, 2, 3, 4, 8, 3) == 624
+    assert quanto_cache_bytes(2, 8, 2, 8, 2, 4, 2, 4, 8, 3) == 2_560
 
 
 # a vocabulary large enough for the prefill's logits to be its peak: (b, s, h, f, a, k, L, V)

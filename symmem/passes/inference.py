@@ -56,8 +56,21 @@ layers (:func:`_fp8_update`): fp8 keys and values with a float32 scale per tenso
 nodes, held by the cache, and in a decoding step ``cache scale`` allocations before it); a
 decoding step dequantizes the whole cache for attention and drops the previous fp8 tensors
 when ``update`` returns. Refused: autocast (PyTorch cannot ``cat`` fp8 tensors under it) and
-sliding-window layers (QuantizedCache refuses them). The quanto and HQQ backends are refused by
-the policy.
+sliding-window layers (QuantizedCache refuses them).
+
+``cache="quanto-int4"`` / ``"quanto-int2"``: transformers' ``QuantizedCache(backend="quanto")``
+of ``QuantoQuantizedLayer`` layers (:func:`_quanto_update`, :func:`_quanto_plan`; the layout in
+:mod:`symmem.rules.quanto`). The prefill quantizes each layer's keys and values whole (the
+residual is empty); a decoding step dequantizes them and hands attention the cat of the
+dequantized positions, the residual and the new one, then either appends the new position to
+the residual or, when the residual reaches ``residual_length`` (R), re-quantizes both cats and
+empties the residual (the flush). The cache is periodic in n_g, so a decoding step is derived
+for a given residual state: ``policy.residual_position`` P positions in the residual before it
+(decoding steps n_g with n_g - 1 = P mod R; P = R - 1, the default, is the flush), Q = s + n_g
+- 1 - P quantized positions before it; the formulas require n_g >= P + 1 and R | n_g - 1 - P,
+and q_group_size dividing kv heads x positions x head_dim of every tensor quantized. Refused:
+autocast (not measured) and sliding-window layers. CUDA is assumed the same (the same quanto
+operators; not measured). The HQQ backend is refused by the policy.
 
 With one kv head (the model binding k = 1) a quantized cache's prefill hands attention the
 states through a (b, 1, s, d) view (``kv_one_head``), contiguous, which ``repeat_kv`` expands
@@ -65,13 +78,15 @@ without copying, as it does the cache's tensors of the other caches.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 import sympy as sp
 
 from ..errors import ConfigError
 from ..graph import Graph, Node, Repeat, _defines
 from ..policy.attention import resolve
+from ..policy.inference import QUANTO_BITS
 from ..plan import Free, Compute, Hold, Key, Plan, Alloc
 from ..symbols import n_g, s
 
@@ -123,6 +138,8 @@ def apply(plan: Plan, graph: Graph, policy) -> Plan:
     dynamic cache), or the whole cache allocated before it and written in place (static)."""
     if policy.mode != "inference":
         return plan
+    if policy.cache in QUANTO_BITS:
+        return _quanto_plan(plan, graph, policy)
     static, fp8 = policy.cache == "static", policy.cache == "fp8"
     names = set(cache_nodes(graph))
     sliding = set(cache_nodes(graph, sliding=True))
@@ -176,10 +193,82 @@ def apply(plan: Plan, graph: Graph, policy) -> Plan:
         for name in cache_nodes(graph):
             if name.endswith("k_cache"):
                 states.append(Alloc(Key("cache counter", name), sp.Integer(COUNTER_BYTES), "cache", counts[name]))
+    return _inference_plan(plan, policy, states, forward)
+
+
+def _inference_plan(plan: Plan, policy, states, forward, note: str = "") -> Plan:
+    """``plan`` as an inference step's: these ``states`` and ``forward``, nothing after it."""
     note = (f"inference ({policy.step}): weights frozen, no loss, backward or optimizer step; "
-            f"the KV cache holds {cache_length(policy.step, policy)} positions after the step")
+            f"the KV cache holds {cache_length(policy.step, policy)} positions after the step{note}")
     return replace(plan, states=tuple(states), forward=tuple(forward), backward=(), optimizer=(),
                    notes=plan.notes + (note,))
+
+
+#: The ops of a quanto cache's update whose outputs the cache holds.
+QUANTO_HELD = ("kv_quanto_quantize", "kv_quanto_kept")
+
+
+def _quanto_plan(plan: Plan, graph: Graph, policy) -> Plan:
+    """The plan of a quanto cache's step (:func:`_quanto_update`): the quantized tensors and
+    the residual held by the cache. Before a decoding step with P residual positions, each
+    layer's quantized keys and values of Q = s + n_g - 1 - P positions and residual of P exist;
+    an ordinary step keeps the quantized tensors (freed just before the ``kv_quanto_kept``
+    nodes that stand for them) and frees each previous residual after its cat; the flush
+    frees each previous quantized tensor after its re-quantization, then both residuals
+    (``self.keys``, then ``self.values``, rebound to empty tensors)."""
+    p, decode = policy.residual_position, policy.step == "decode"
+    nodes = {n.name: n for x in graph.graphs() for n in x.items if isinstance(n, Node)}
+    made = {}
+    for e in plan.forward:
+        if isinstance(e, Compute):
+            made.setdefault(e.node, e.out_bytes)
+
+    def previous(node) -> tuple[str, sp.Expr]:
+        """What a held node replaces: its kind and bytes before the step."""
+        if node.op == "kv_quanto_kept":
+            return "previous cache", made[node.name]
+        if node.op == "kv_quanto_quantize":
+            return "previous cache", sp.expand(made[node.name].xreplace({n_g: n_g - p - 1}))
+        return "previous residual", sp.expand(made[node.name] * p / (p + 1))
+
+    def residual(node) -> sp.Expr:
+        """The flush's previous residual: the returned cat's (s + n_g positions) P positions."""
+        return sp.expand(made[node.inputs[0]].xreplace({n_g: p - s}))
+    forward, pending = [], []
+    held = _quanto_held(graph)
+    for e in plan.forward:
+        node = nodes.get(e.node) if isinstance(e, Compute) else None
+        if node is None or node.name not in held:
+            forward.append(e)
+            continue
+        e = replace(e, holds=e.holds + (Hold(e.out, CACHE_HOLDER),), role="cache")
+        if not decode:
+            forward.append(e)
+            continue
+        kind, nbytes = previous(node)
+        free = Free(Key(kind, e.node, e.copy), nbytes, "cache")
+        forward += [free, e] if node.op == "kv_quanto_kept" else [e, free]
+        if node.op == "kv_quanto_quantize":      # the flush empties the residual after the values'
+            pending.append(Free(Key("previous residual", e.node, e.copy), residual(node), "cache"))
+            if e.node.endswith("v_quantized"):
+                forward += pending
+                pending = []
+    counts, states = _counts(graph), list(plan.states)
+    for node in (nodes[name] for name in held) if decode else ():
+        kind, nbytes = previous(node)
+        states.append(Alloc(Key(kind, node.name), nbytes, "cache", counts[node.name]))
+        if node.op == "kv_quanto_quantize":
+            states.append(Alloc(Key("previous residual", node.name), residual(node), "cache", counts[node.name]))
+    after = ("all quantized" if policy.quanto_flush else f"s + n_g - {p + 1} quantized, {p + 1} in the residual")
+    return _inference_plan(plan, policy, states, forward,
+                           f" ({after}; the decoding steps n_g with n_g - 1 = {p} mod {policy.residual_length})"
+                           if decode else " (all quantized)")
+
+
+def _quanto_held(graph: Graph) -> tuple[str, ...]:
+    """The nodes of a quanto cache's update whose outputs the cache holds, in order."""
+    return tuple(n.name for g in graph.graphs() for n in g.items if isinstance(n, Node)
+                 and (n.op in QUANTO_HELD or n.op == "kv_quanto_cat" and n.attr("residual")))
 
 
 def _previous_bytes(nbytes) -> sp.Expr:
@@ -205,8 +294,9 @@ def cache_bytes(plan: Plan, graph: Graph) -> sp.Expr:
     """The KV cache after the plan's step: each cache node's tensor once per iteration of its
     block (``2 L b k T d`` bytes per element for a Llama-type model, T the cached positions;
     1 byte an element in fp8), a static cache's counters (8 bytes a layer) and an fp8 cache's
-    scales (4 bytes a tensor)."""
-    names, counts, seen = set(cache_nodes(graph)) | set(_nodes(graph, "kv_fp8_scale")), _counts(graph), {}
+    scales (4 bytes a tensor); a quanto cache's quantized tensors and residual."""
+    names = set(cache_nodes(graph)) | set(_nodes(graph, "kv_fp8_scale")) | set(_quanto_held(graph))
+    counts, seen = _counts(graph), {}
     for e in plan.forward:
         if isinstance(e, Compute) and e.node in names:
             seen.setdefault(e.node, e.out_bytes * counts[e.node])
@@ -231,7 +321,7 @@ def _nodes(graph: Graph, op: str) -> tuple[str, ...]:
 def step_graph(graph: Graph, step: str, policy=None) -> Graph:
     """``graph`` (a training forward) as the graph of inference step ``step`` (prefill or
     decode): the loss removed, a cache before each attention node (``policy.cache``: dynamic,
-    the default, or static), and for the decoding step one token's shapes."""
+    the default, static, fp8 or quanto), and for the decoding step one token's shapes."""
     if step not in STEPS:
         raise ConfigError("inference step", step, f"one of {', '.join(STEPS)}")
     if not any(isinstance(n, Node) and n.op == "attention" for g in graph.graphs() for n in g.items):
@@ -263,7 +353,8 @@ def step_graph(graph: Graph, step: str, policy=None) -> Graph:
                           "autocast's type promotion ('Unexpected floating ScalarType in at::autocast::prioritize', "
                           "on the CPU and on CUDA alike), so transformers cannot generate so. Use --precision bf16 "
                           "(a bfloat16 model) or fp32, or --cache dynamic.")
-    out = _rebuilt(g, subs, length, cache_length(step), None, static, sdpa_mask, fp8)
+    quanto = _quanto_spec(policy)
+    out = _rebuilt(g, subs, length, cache_length(step), None, static, sdpa_mask, fp8, quanto)
     if step == "prefill" and (policy is None or policy.logits == "last"):
         _last_position_logits(out)
     windows = {n.attr("window") for x in out.graphs() for n in x.items
@@ -273,11 +364,18 @@ def step_graph(graph: Graph, step: str, policy=None) -> Graph:
                                              "StaticLayer layers)",
                           f"This model's attention has a sliding window ({min(windows)}): transformers then makes "
                           "StaticSlidingWindowLayer layers, which symmem does not model; use --cache dynamic.")
-    if fp8 and windows:
-        raise ConfigError("cache", "fp8", "a model without sliding-window attention (transformers' QuantizedCache "
-                                          "takes full-attention layers only)",
+    if (fp8 or quanto) and windows:
+        raise ConfigError("cache", policy.cache, "a model without sliding-window attention (transformers' "
+                                                 "QuantizedCache takes full-attention layers only)",
                           f"This model's attention has a sliding window ({min(windows)}), which QuantizedCache "
                           "refuses; use --cache dynamic.")
+    if quanto and step == "decode":        # the steps n_g = P + 1, P + 1 + R, P + 1 + 2R, ...
+        p, r = quanto.position, policy.residual_length
+        why = (f"decoding step n_g finds (n_g - 1) mod residual_length positions in the residual; the formulas are "
+               f"for residual_position {p}, the steps n_g = {p + 1}, {p + 1 + r}, {p + 1 + 2 * r}, ...: give "
+               f"--residual-position (n_g - 1) mod {r} for another n_g")
+        out.require(p + 1, n_g, why)
+        out.require(r, n_g - 1 - p, why, "divides")
     if static and policy.max_cache_len is not None:
         out.require(s + n_g, length, "the prompt and the tokens generated fit in the static cache's "
                                      "max_cache_len positions (StaticLayer.update writes past its end otherwise)")
@@ -346,9 +444,10 @@ def _root(g: Graph) -> Graph:
 
 
 def _rebuilt(g: Graph, subs: dict, length, seen, parent, static: bool = False, sdpa_mask: bool = False,
-             fp8: bool = False) -> Graph:
+             fp8: bool = False, quanto=None) -> Graph:
     """A copy of ``g`` with every shape substituted (``subs``), the cache nodes inserted
-    (``static``: a StaticCache's; ``fp8``: an fp8 QuantizedCache's, :func:`_fp8_update`) and the causal mask's columns set to the cache's length
+    (``static``: a StaticCache's; ``fp8``: an fp8 QuantizedCache's, :func:`_fp8_update`;
+    ``quanto``: a quanto QuantizedCache's, :func:`_quanto_update`) and the causal mask's columns set to the cache's length
     (``sdpa_mask``: SDPA's boolean mask, and its float copy inside each attention call);
     OPT's position mask and ids over the ``seen`` positions (s + n_g in the decoding step,
     whatever the cache), of which the step embeds its own (a decoding step: ``subs``)."""
@@ -374,7 +473,7 @@ def _rebuilt(g: Graph, subs: dict, length, seen, parent, static: bool = False, s
 
     for item in g.items:
         if isinstance(item, Repeat):
-            body = _rebuilt(item.body, subs, length, seen, out, static, sdpa_mask, fp8)
+            body = _rebuilt(item.body, subs, length, seen, out, static, sdpa_mask, fp8, quanto)
             # `hidden_states = layer(hidden_states)`: the model's loop keeps each layer's input
             # until the layer returns (in training the saved tensors outlive it anyway)
             body.locals = body.locals + tuple((c, o) for c, o in zip(item.carries, item.output))
@@ -405,9 +504,10 @@ def _rebuilt(g: Graph, subs: dict, length, seen, parent, static: bool = False, s
             node = replace(node, shape=(*node.shape[:3], length))
             if sdpa_mask:
                 node = replace(node, op="static_sdpa_mask", shape=(sp.Integer(1), sp.Integer(1), node.shape[2], length))
-        if item.op == "attention" and fp8:
+        if item.op == "attention" and (fp8 or quanto):
             q, key, v, *rest = node.inputs
-            returned, held = _fp8_update(out, put_new, _base(node.name), key, v, length, bool(subs))
+            update = _fp8_update if fp8 else partial(_quanto_update, spec=quanto)
+            returned, held = update(out, put_new, _base(node.name), key, v, length, bool(subs))
             moved.update(returned)
             holds += held
             node = replace(node, inputs=(q, returned.get(key, key), returned.get(v, v), *rest))
@@ -459,6 +559,12 @@ def _one_head(g: Graph, put_new, base: str, pairs) -> dict:
     return out
 
 
+def _cache_shape(g: Graph, states: str, positions) -> tuple:
+    """A cache tensor of ``positions`` for the (b, k, q, d) ``states``: (b, k, positions, d)."""
+    sh = g._lookup_shape(states)
+    return (sh[0], _cached_heads(g, sh), positions, sh[3])
+
+
 def _cached_heads(g: Graph, shape):
     """The kv heads of a cache tensor as the model binds them: one kv head (multi-query) is
     the model's own 1, so that repeat_kv sees a view."""
@@ -502,3 +608,75 @@ def _fp8_update(g: Graph, put_new, base: str, key: str, value: str, length, deco
                 for (states, which), c in zip(pairs, cached)}
     end = returned[value]
     return returned, [(key, end), (value, end), *((n, end) for n in new)]
+
+
+@dataclass(frozen=True)
+class QuantoSpec:
+    """A quanto cache as a step's graph needs it: the codes' ``bits``, ``q_group_size``, the
+    positions the residual holds before the decoding step (``position``) and whether that step
+    re-quantizes everything (``flush``: the residual then reaches ``residual_length``)."""
+    bits: int
+    group: int
+    position: int
+    flush: bool
+
+
+def _quanto_spec(policy) -> QuantoSpec | None:
+    """The policy's quanto cache (None for another cache). Refused under autocast (not measured)."""
+    if policy is None or policy.cache not in QUANTO_BITS:
+        return None
+    if policy.prec.autocast:
+        raise ConfigError("cache", policy.cache, f"a model in one dtype, not --precision {policy.precision} "
+                                                 "(autocast)",
+                          "A quanto cache under torch.autocast is not measured, so symmem refuses it rather than "
+                          "guess; use --precision bf16 (a bfloat16 model) or fp32.")
+    return QuantoSpec(QUANTO_BITS[policy.cache], policy.q_group_size, policy.residual_position, policy.quanto_flush)
+
+
+def _quanto_update(g: Graph, put_new, base: str, key: str, value: str, length, decode: bool, spec: QuantoSpec):
+    """``QuantizedLayer.update`` (transformers 5.25 ``cache_utils.py``) of a quanto cache for
+    one attention node, as :func:`_fp8_update`: the nodes it adds, then ``(returned, held)``.
+
+    - prefill (``lazy_initialization``): keys, then values, quantized whole
+      (``kv_quanto_quantize``, kept by the cache; the residual is an empty tensor); update
+      returns the states themselves;
+    - decoding step, with P = ``spec.position`` positions in the residual before it and Q =
+      s + n_g - 1 - P quantized: the keys', then the values' quantized tensors dequantized
+      (``kv_quanto_dequantize``, locals until update returns), each cat of the dequantized
+      positions, the residual and the new one (``kv_quanto_cat``, s + n_g positions), which
+      attention reads; then either the residual's cat with the new position
+      (``kv_quanto_cat`` with ``residual``, P + 1 positions; the quantized tensors kept as
+      they were, ``kv_quanto_kept``) or, in the flush step (P + 1 = residual_length), both
+      returned cats quantized (``kv_quanto_quantize``), each replacing the previous quantized
+      tensor, and the residual emptied (the inference pass frees what they replace)."""
+    pairs = ((key, "k"), (value, "v"))
+    attrs = (("bits", spec.bits), ("group", spec.group))
+
+    def node(states, which, suffix, op, inputs, positions, extra=()):
+        _, heads, _, d = shape = _cache_shape(g, states, positions)
+        if op != "kv_quanto_cat":
+            _root(g).require(spec.group, heads * d * positions, "q_group_size divides each batch row of a quantized "
+                             "cache tensor (kv heads x positions x head_dim): optimum-quanto's group() refuses it "
+                             "otherwise", "divides")
+        return put_new(Node(f"{base}{which}_{suffix}", op, inputs, attrs=attrs + extra, shape=shape))
+    if not decode:
+        returned = _one_head(g, put_new, base, pairs)
+        for states, which in pairs:
+            node(states, which, "quantized", "kv_quanto_quantize", (returned.get(states, states),), length)
+        return returned, []
+    quantized = length - 1 - spec.position
+    if not spec.flush:
+        for states, which in pairs:
+            node(states, which, "quantized", "kv_quanto_kept", (states,), quantized)
+    dequantized = [node(states, which, "dequantize", "kv_quanto_dequantize", (states,), quantized)
+                   for states, which in pairs]
+    returned = {states: node(states, which, "returned", "kv_quanto_cat", (d, states), length)
+                for (states, which), d in zip(pairs, dequantized)}
+    if spec.flush:
+        last = [node(states, which, "quantized", "kv_quanto_quantize", (returned[states],), length)
+                for states, which in pairs]
+    else:
+        last = [node(states, which, "residual", "kv_quanto_cat", (states,), spec.position + 1,
+                     (("residual", True),)) for states, which in pairs]
+    end = last[-1]
+    return returned, [(key, end), (value, end), *((d, end) for d in dequantized)]

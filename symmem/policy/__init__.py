@@ -38,7 +38,7 @@ from ..errors import ConfigError
 from ..rules import Ctx
 from .adapters import LORA_DTYPES, LoRA
 from .attention import ATTENTION
-from .inference import CACHES, LOGITS, MODES
+from .inference import CACHES, LOGITS, MODES, QUANTO_BITS
 from .optimizer import IMPLEMENTATIONS, OPTIMIZERS, Implementation, Optimizer
 from .precision import PRECISIONS, Precision
 from .quantize import QUANTIZE, Quantization
@@ -87,6 +87,11 @@ class Policy:
     cache: str = "dynamic"
     #: a StaticCache's positions (None: s + n_g, as generate sets it)
     max_cache_len: int | None = None
+    #: a quanto cache's residual_length, q_group_size (transformers' defaults) and the positions
+    #: its residual holds before the decoding step modelled (None: residual_length - 1, the flush)
+    residual_length: int = 128
+    q_group_size: int = 64
+    residual_position: int | None = None
     #: the prefill's logits: the last position's (generate's logits_to_keep=1) or all
     logits: str = "last"
     #: the inference step a plan is lowered for (set by the engine, not a choice)
@@ -98,15 +103,15 @@ class Policy:
 
     def __post_init__(self):
         if str(self.cache).lower() in ("quantized", "quanto", "hqq"):     # names users reach for: refused
-            raise ConfigError("cache", self.cache, "dynamic, static or fp8",
-                              "transformers' QuantizedCache with the quanto or HQQ backend keeps keys and values "
-                              "packed by that library (integers, scales and zero points in its own layout) beside "
-                              "a residual of full-precision positions, re-quantizing the whole cache every "
-                              "residual_length steps: not modelled. Its fp8 backend is (--cache fp8); otherwise "
-                              "use --cache dynamic or --cache static.")
+            raise ConfigError("cache", self.cache, "dynamic, static, fp8, quanto-int4 or quanto-int2",
+                              "transformers' QuantizedCache is modelled with the fp8 backend (--cache fp8) and the "
+                              "quanto backend at 4 or 2 bits (--cache quanto-int4, --cache quanto-int2); its HQQ "
+                              "backend (hqq's own quantizer and layout, moved and cast after quantizing) is not. "
+                              "Otherwise use --cache dynamic or --cache static.")
         for part in PARTS:
             if part.registry is not None:     # canonical names: "AdamW" is "adamw"
                 object.__setattr__(self, part.field, part.registry.lookup(getattr(self, part.field)).name)
+        self._check_quanto()
         object.__setattr__(self, "recompute", Recompute.parse(self.recompute))
         object.__setattr__(self, "parallel", Parallel.parse(self.parallel))
         lora = LoRA.parse(self.lora, self.lora_targets)
@@ -170,6 +175,35 @@ class Policy:
                                   f"{default} (inference has no backward to recompute for, no optimizer step, "
                                   "and quantized or adapted inference is not modelled)",
                                   f"Leave --{name.replace('_', '-')} out with --mode inference.")
+
+    @property
+    def quanto_flush(self) -> bool:
+        """Whether a quanto cache's decoding step re-quantizes the whole cache."""
+        return self.residual_position == self.residual_length - 1
+
+    def _check_quanto(self):
+        """A quanto cache's residual_length >= 1, q_group_size >= 1 and residual_position in
+        [0, residual_length - 1] (None: the flush step, residual_length - 1); only with one."""
+        fields = {"residual_length": 128, "q_group_size": 64, "residual_position": None}
+        if self.cache not in QUANTO_BITS:
+            for name, default in fields.items():
+                if getattr(self, name) != default:
+                    raise ConfigError(name, getattr(self, name), "a quanto cache (--cache quanto-int4 or quanto-int2)",
+                                      f"Give --cache quanto-int4 too, or leave --{name.replace('_', '-')} out.")
+            return
+        for name in ("residual_length", "q_group_size"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(name, n, "a whole number >= 1", f"Leave --{name.replace('_', '-')} out for "
+                                                                  f"transformers' default, {fields[name]}.")
+        p, r = self.residual_position, self.residual_length
+        if p is None:
+            object.__setattr__(self, "residual_position", r - 1)
+        elif isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < r:
+            raise ConfigError("residual_position", p, f"a whole number of positions from 0 to residual_length - 1 "
+                                                      f"= {r - 1}",
+                              "The residual holds (n_g - 1) mod residual_length positions before decoding step "
+                              "n_g; leave --residual-position out for the flush step (residual_length - 1).")
 
     def _check_parallel(self):
         """Sharding is modelled for a training step of one micro-batch per optimizer step from
@@ -293,7 +327,14 @@ class Policy:
         att = self.attention + (f" ({', '.join(kernels)})" if self.attention == "sdpa" and kernels else "")
         if self.mode == "inference":
             cache = self.cache + (f", max_cache_len {self.max_cache_len}" if self.max_cache_len is not None else "")
-            return (f"inference with {'an' if cache == 'fp8' else 'a'} {cache} KV cache (prefill and one decoding step, torch.no_grad; the "
+            kv, step = f"{'an' if cache == 'fp8' else 'a'} {cache} KV cache", "one decoding step"
+            if self.cache in QUANTO_BITS:
+                kv += f" of residual_length {self.residual_length} and q_group_size {self.q_group_size}"
+                step += (f" with {self.residual_position} position{'' if self.residual_position == 1 else 's'} in "
+                         f"the residual before it, as decoding step "
+                         f"n_g has when n_g - 1 = {self.residual_position} mod {self.residual_length}"
+                         f"{': the flush, re-quantizing the whole cache' if self.quanto_flush else ''}")
+            return (f"inference with {kv} (prefill and {step}; torch.no_grad; the "
                     f"prefill's logits: {'last position' if self.logits == 'last' else 'every position'}); "
                     f"{self.precision} ({self._inference_precision()}); device {self.device}; attention {att}")
         out = (f"{self.precision} ({self.prec.description}); {self.optimizer} "
@@ -363,4 +404,10 @@ PARTS = (
          "the prefill's logits (--mode inference): last (generate's logits_to_keep=1) or all positions"),
     Part("max_cache_len", "--max-cache-len", None, "N",
          "the positions a static cache preallocates (--cache static; default s + n_g, as generate sets it)"),
+    Part("residual_length", "--residual-length", None, "N",
+         "a quanto cache's residual_length: positions kept unquantized before it re-quantizes everything"),
+    Part("q_group_size", "--q-group-size", None, "G", "a quanto cache's q_group_size: elements per scale and shift"),
+    Part("residual_position", "--residual-position", None, "P",
+         "a quanto cache's positions in the residual before the decoding step modelled, (n_g - 1) mod "
+         "residual_length (default residual_length - 1: the flush step, which re-quantizes)"),
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .registry import Registry
 from .slots import Choice
 
-__all__ = ["MODES", "CACHES", "LOGITS"]
+__all__ = ["MODES", "CACHES", "LOGITS", "QUANTO_BITS"]
 
 MODES = Registry("mode")
 MODES.register(Choice("training", "one training step: forward, backward, optimizer step"))
@@ -22,6 +22,17 @@ CACHES.register(Choice("fp8", "transformers' QuantizedCache(backend=\"fp8\"): ea
                               "float8_e4m3fn (1 byte an element) with one float32 scale per tensor, calibrated "
                               "at the prefill; each decoding step appends in fp8 and hands attention a "
                               "dequantized copy of the whole cache in the states' dtype"))
+_QUANTO = ("transformers' QuantizedCache(backend=\"quanto\", nbits={bits}) (optimum-quanto 0.2.7): at the "
+           "prefill each layer's keys and values quantized to {bits}-bit codes in groups of --q-group-size "
+           "elements, a scale and a shift per group in the states' dtype; each decoding step dequantizes them, "
+           "hands attention the cat of them, the residual (the positions since the last quantization, in the "
+           "states' dtype) and the new position, and appends the new position to the residual, or, when the "
+           "residual reaches --residual-length positions, re-quantizes everything (the flush). The decoding "
+           "step modelled is the one whose residual holds --residual-position positions before it")
+#: the bits of each quanto cache's codes (QuantoQuantizedLayer's ``nbits``)
+QUANTO_BITS = {"quanto-int4": 4, "quanto-int2": 2}
+for _name, _bits in QUANTO_BITS.items():
+    CACHES.register(Choice(_name, _QUANTO.format(bits=_bits)))
 
 LOGITS = Registry("logits")
 LOGITS.register(Choice("last", "generate's logits_to_keep=1: the prefill projects the last position only, "

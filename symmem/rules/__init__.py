@@ -43,6 +43,8 @@ Layout (module -> rules):
   static_sdpa_mask, sdpa_float_mask, static_seq_length (a StaticCache's decoding step),
   kv_fp8_scale, kv_fp8_quantize, kv_fp8_dequantize (an fp8 QuantizedCache), kv_one_head (one kv
   head's states a quantized cache's prefill returns);
+- ``quanto``: kv_quanto_quantize, kv_quanto_kept, kv_quanto_dequantize, kv_quanto_cat (a quanto
+  QuantizedCache, optimum-quanto's int4 and int2 layout);
 - ``embeddings``: embedding, positions, position_embedding, ones_like_ids, cumsum_positions,
   offset_ids (OPT's positions), rotary, rope, causal_mask;
 - ``losses``: nll_loss;
@@ -79,6 +81,7 @@ from .encoders import buffer_slice_rule, cross_entropy_cast_rule, padding_mask_r
 from .embeddings import (causal_mask_rule, cumsum_positions_rule, embedding_rule, offset_ids_rule,
                          ones_like_ids_rule, position_embedding_rule, positions_rule, rope_rule, rotary_rule)
 from .fp8 import linear_fp8_rule
+from .quanto import quanto_cat_rule, quanto_dequantize_rule, quanto_kept_rule, quanto_quantize_rule
 from .linalg import linear_rule, matmul_rule
 from .losses import nll_loss_rule
 from .masks import mask_expand_rule, sdpa_bias_expand_rule, sdpa_bool_mask_rule, window_mask_rule  # noqa: F401
