@@ -172,6 +172,18 @@ def test_quanto_cache_steps(group, n_g, words):
     assert all(w in str(err.value) for w in words)
 
 
+def test_quanto_cache_one_group():
+    """A tensor of one group (the small Llama's 2 kv heads x 16 at b = 1, s = 1, q_group_size
+    32) is refused: optimum-quanto then keeps a scale and shift per element. Two positions make
+    two groups."""
+    est = sm.estimate(sm.models.from_hf_config(LLAMA), sm.Policy("fp32", device="cpu", mode="inference",
+                                                                 cache="quanto-int4", q_group_size=32))
+    with pytest.raises(ConfigError) as err:
+        est.at(b=1, s=1, n_g=128)
+    assert "expected at least 64" in str(err.value) and "two groups or more" in str(err.value)
+    assert est.at(b=1, s=2, n_g=128).bytes["cache"] > 0
+
+
 QWEN2_MIXED = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
 
 

@@ -68,7 +68,8 @@ empties the residual (the flush). The cache is periodic in n_g, so a decoding st
 for a given residual state: ``policy.residual_position`` P positions in the residual before it
 (decoding steps n_g with n_g - 1 = P mod R; P = R - 1, the default, is the flush), Q = s + n_g
 - 1 - P quantized positions before it; the formulas require n_g >= P + 1 and R | n_g - 1 - P,
-and q_group_size dividing kv heads x positions x head_dim of every tensor quantized. Refused:
+and q_group_size dividing kv heads x positions x head_dim of every tensor quantized, two groups
+or more in each (of one, optimum-quanto keeps per-element statistics). Refused:
 autocast (not measured) and sliding-window layers. CUDA is assumed the same (the same quanto
 operators; not measured). The HQQ backend is refused by the policy.
 
@@ -653,11 +654,15 @@ def _quanto_update(g: Graph, put_new, base: str, key: str, value: str, length, d
     attrs = (("bits", spec.bits), ("group", spec.group))
 
     def node(states, which, suffix, op, inputs, positions, extra=()):
-        _, heads, _, d = shape = _cache_shape(g, states, positions)
+        b, heads, _, d = shape = _cache_shape(g, states, positions)
         if op != "kv_quanto_cat":
-            _root(g).require(spec.group, heads * d * positions, "q_group_size divides each batch row of a quantized "
-                             "cache tensor (kv heads x positions x head_dim): optimum-quanto's group() refuses it "
-                             "otherwise", "divides")
+            root = _root(g)
+            root.require(spec.group, heads * d * positions, "q_group_size divides each batch row of a quantized "
+                         "cache tensor (kv heads x positions x head_dim): optimum-quanto's group() refuses it "
+                         "otherwise", "divides")
+            root.require(2 * spec.group, b * heads * d * positions, "a quantized cache tensor holds two groups or "
+                         "more (b x kv heads x positions x head_dim >= 2 q_group_size): of a single group "
+                         "optimum-quanto keeps a scale and shift per element (not modelled)")
         return put_new(Node(f"{base}{which}_{suffix}", op, inputs, attrs=attrs + extra, shape=shape))
     if not decode:
         returned = _one_head(g, put_new, base, pairs)
