@@ -141,15 +141,14 @@ def test_quanto_cache():
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(precision="bf16-mixed"), ["cache", "--precision bf16-mixed (autocast)", "not measured"]),
     (dict(model="mistral-7b"), ["cache", "sliding window (4096)", "--cache dynamic"]),
     (dict(residual_position=128), ["residual_position", "from 0 to residual_length - 1 = 127"]),
     (dict(residual_length=0), ["residual_length", "a whole number >= 1", "default, 128"]),
     (dict(cache="dynamic", q_group_size=32), ["q_group_size", "a quanto cache", "--cache quanto-int4"]),
 ])
 def test_quanto_cache_refusals(kwargs, words):
-    """Not modelled: autocast (not measured), sliding-window layers (QuantizedCache refuses
-    them); a residual position outside the residual; the quanto options without a quanto cache."""
+    """Not modelled: sliding-window layers (QuantizedCache refuses them); a residual position
+    outside the residual; the quanto options without a quanto cache."""
     model, precision = kwargs.pop("model", "llama-2-7b"), kwargs.pop("precision", "bf16")
     kwargs = {"cache": "quanto-int4", **kwargs}
     with pytest.raises(ConfigError) as err:

@@ -198,15 +198,16 @@ def test_fp8_cache_exact(family, point, attention, precision, n_g):
     assert_generation_exact(est, model, precision, b, s, n_g, V)
 
 
-def quanto_cache_bytes(b, s, kv, d, L, B, n_g, bits, group, residual_length):
+def quanto_cache_bytes(b, s, kv, d, L, Bs, n_g, bits, group, residual_length):
     """A quanto cache after decoding step n_g, counted as optimum-quanto lays it out: each
-    layer's keys and values quantized over T positions, (b kv T d / g) groups of g codes packed
-    8 / bits a byte along the groups (ceil(groups · bits / 8) · g bytes), a scale and a shift a
-    group in the states' B bytes; the residual of the r positions since in B bytes an element.
-    T + r = s + n_g, r = n_g mod residual_length (the flush empties it)."""
+    layer's keys and values (their dtypes' bytes ``Bs``) quantized over T positions, (b kv T d /
+    g) groups of g codes packed 8 / bits a byte along the groups (ceil(groups · bits / 8) · g
+    bytes), a scale and a shift a group in the states' B bytes; the residual of the r positions
+    since in B bytes an element. T + r = s + n_g, r = n_g mod residual_length (the flush empties
+    it)."""
     r = n_g % residual_length
     groups = b * kv * (s + n_g - r) * d // group
-    return 2 * L * (-(-groups * bits // 8) * group + 2 * groups * B + b * kv * r * d * B)
+    return L * sum(-(-groups * bits // 8) * group + 2 * groups * B + b * kv * r * d * B for B in Bs)
 
 
 # (family, point, attention, precision, n_g, bits): residual_length 3, q_group_size 8; steps 1
@@ -215,10 +216,13 @@ QUANTO = [
     ("llama", POINTS[0], "eager", "fp32", 3, 4),
     ("llama", POINTS[0], "sdpa", "bf16", 2, 2),
     ("llama", POINTS[0], "sdpa", "fp32", 4, 2),
+    ("llama", POINTS[0], "eager", "bf16-mixed", 3, 4),      # float32 keys, bfloat16 values
     ("llama", POINTS[1], "eager", "bf16", 3, 2),
     ("llama", POINTS[2], "eager", "bf16", 3, 4),     # b = 1, multi-query; 19 groups: the packing rounds up
     ("qwen2", POINTS[1], "sdpa", "fp32", 1, 4),
+    ("qwen2", POINTS[1], "sdpa", "bf16-mixed", 2, 2),
     ("gpt2", POINTS[0], "eager", "fp32", 2, 4),
+    ("gpt2", POINTS[0], "sdpa", "bf16-mixed", 3, 4),
     ("gpt_neox", POINTS[0], "sdpa", "bf16", 3, 2),
     ("opt", POINTS[1], "sdpa", "bf16", 3, 4),
 ]
@@ -237,8 +241,9 @@ def test_quanto_cache_exact(family, point, attention, precision, n_g, bits):
     model, est = model_and_estimate(family, point, attention, precision, cache=f"quanto-int{bits}",
                                     residual_length=3, q_group_size=8, residual_position=(n_g - 1) % 3)
     kv = a if family in ("gpt2", "gpt_neox", "opt") else k      # multi-head families: k unused
-    B = 4 if precision == "fp32" else 2
-    assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == quanto_cache_bytes(b, s, kv, h // a, L, B, n_g, bits, 8, 3)
+    # under autocast Llama's and Qwen2's keys are float32 (rotated by float32 cos and sin)
+    Bs = {"fp32": (4, 4), "bf16": (2, 2), "bf16-mixed": (4 if family in ("llama", "qwen2") else 2, 2)}[precision]
+    assert est.at(b=b, s=s, n_g=n_g).bytes["cache"] == quanto_cache_bytes(b, s, kv, h // a, L, Bs, n_g, bits, 8, 3)
     assert_generation_exact(est, model, precision, b, s, n_g, V)
 
 
@@ -249,10 +254,12 @@ def test_quanto_cache_bytes():
     1*1*19*8 / 8 = 19 groups, ceil(19 / 2) = 10 packed rows (80 bytes) and 2*19*2 = 76: 156 a
     tensor, 624 in all. Step 2 of the first: the prompt's 8 positions quantized (32 groups: 128
     + 256 bytes), the two generated since in the residual (2*2*2*8*4 = 256): 640 a tensor,
-    2,560."""
-    assert quanto_cache_bytes(2, 8, 2, 8, 2, 4, 3, 4, 8, 3) == 2_112
-    assert quanto_cache_bytes(1, 16, 1, 8, 2, 2, 3, 4, 8, 3) == 624
-    assert quanto_cache_bytes(2, 8, 2, 8, 2, 4, 2, 4, 8, 3) == 2_560
+    2,560; under bf16 autocast (float32 keys, bfloat16 values) the values' 128 + 128 + 128 =
+    384: 2 * (640 + 384) = 2,048."""
+    assert quanto_cache_bytes(2, 8, 2, 8, 2, (4, 4), 3, 4, 8, 3) == 2_112
+    assert quanto_cache_bytes(1, 16, 1, 8, 2, (2, 2), 3, 4, 8, 3) == 624
+    assert quanto_cache_bytes(2, 8, 2, 8, 2, (4, 4), 2, 4, 8, 3) == 2_560
+    assert quanto_cache_bytes(2, 8, 2, 8, 2, (4, 2), 2, 4, 8, 3) == 2_048
 
 
 # a vocabulary large enough for the prefill's logits to be its peak: (b, s, h, f, a, k, L, V)

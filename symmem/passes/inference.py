@@ -69,8 +69,9 @@ for a given residual state: ``policy.residual_position`` P positions in the resi
 (decoding steps n_g with n_g - 1 = P mod R; P = R - 1, the default, is the flush), Q = s + n_g
 - 1 - P quantized positions before it; the formulas require n_g >= P + 1 and R | n_g - 1 - P,
 and q_group_size dividing kv heads x positions x head_dim of every tensor quantized, two groups
-or more in each (of one, optimum-quanto keeps per-element statistics). Refused:
-autocast (not measured) and sliding-window layers. CUDA is assumed the same (the same quanto
+or more in each (of one, optimum-quanto keeps per-element statistics). Under autocast each
+tensor is quantized in its own dtype (Llama's keys float32, its values bfloat16). Refused:
+sliding-window layers. CUDA is assumed the same (the same quanto
 operators; not measured). The HQQ backend is refused by the policy.
 
 With one kv head (the model binding k = 1) a quantized cache's prefill hands attention the
@@ -623,14 +624,9 @@ class QuantoSpec:
 
 
 def _quanto_spec(policy) -> QuantoSpec | None:
-    """The policy's quanto cache (None for another cache). Refused under autocast (not measured)."""
+    """The policy's quanto cache (None for another cache)."""
     if policy is None or policy.cache not in QUANTO_BITS:
         return None
-    if policy.prec.autocast:
-        raise ConfigError("cache", policy.cache, f"a model in one dtype, not --precision {policy.precision} "
-                                                 "(autocast)",
-                          "A quanto cache under torch.autocast is not measured, so symmem refuses it rather than "
-                          "guess; use --precision bf16 (a bfloat16 model) or fp32.")
     return QuantoSpec(QUANTO_BITS[policy.cache], policy.q_group_size, policy.residual_position, policy.quanto_flush)
 
 
