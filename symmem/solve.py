@@ -311,16 +311,18 @@ def _askable(est: Estimate, x) -> None:
 
 class _Domain:
     """The values the model allows for ``x``, numbered k = 1, 2, ...: every integer, the
-    multiples of m (a ``divides`` requirement ``m | x``), or the divisors of n / m (``m x | n``);
-    ``last`` is the largest k within an ``at most`` requirement (``s <= s_max``)."""
+    positive x with m | x + c (a ``divides`` requirement: the multiples of m for c = 0; a quanto
+    cache's decoding steps n_g = P + 1 + R k' for ``R | n_g - 1 - P``), or the divisors of n / m
+    (``m x | n``); ``last`` is the largest k within an ``at most`` requirement (``s <= s_max``)."""
 
     def __init__(self, est: Estimate, x, subs: dict):
-        self.step, self.divisors, self.last, self.why = 1, None, None, None
+        self.step, self.offset, self.divisors, self.last, self.why = 1, 0, None, None, None
         cap = None
         for lhs, rhs, reason, kind in est.requirements:
             lv, rv = sp.sympify(lhs).xreplace(subs), sp.sympify(rhs).xreplace(subs)
-            if kind == "divides" and rv == x and lv.is_Integer:
-                self.step = int(lv)
+            if kind == "divides" and lv.is_Integer and (rv - x).is_Integer:
+                m, c = int(lv), int(rv - x)          # x = offset + m k, the first of them in 1..m
+                self.step, self.offset = m, (-c - 1) % m + 1 - m
             elif kind == "divides" and rv.is_Integer and x in lv.free_symbols and (lv / x).is_Integer:
                 m, n = int(lv / x), int(rv)          # m x | n: x divides n / m
                 self.divisors = [d for d in (self.divisors or range(1, n + 1)) if n % (m * d) == 0]
@@ -333,10 +335,10 @@ class _Domain:
                 self.divisors = [d for d in self.divisors if d <= cap]
             self.last = len(self.divisors)
         elif cap is not None:
-            self.last = cap // self.step
+            self.last = (cap - self.offset) // self.step
 
     def value(self, k: int) -> int:
-        return self.divisors[k - 1] if self.divisors is not None else self.step * k
+        return self.divisors[k - 1] if self.divisors is not None else self.offset + self.step * k
 
 
 def _probes(dom: _Domain) -> list[int]:

@@ -183,6 +183,23 @@ def test_quanto_cache_one_group():
     assert est.at(b=1, s=2, n_g=128).bytes["cache"] > 0
 
 
+def test_quanto_cache_solve_for_n_g():
+    """``solve`` for n_g answers the decoding steps the formulas hold for: with residual
+    position P and residual_length R, n_g = P + 1 + R k (llama-3-8b, bf16, b = 8, s = 4096, an
+    H100-80GB less 10%: the flush steps, multiples of 128, and P = 5)."""
+    from symmem.gpus import budget
+    from symmem.solve import solve
+    answers = {}
+    for position in (127, 5):
+        est = sm.estimate("llama-3-8b", sm.Policy("bf16", mode="inference", cache="quanto-int4",
+                                                  residual_position=position))
+        sol = solve(est, "n_g", budget("H100-80GB"), b=8, s=4096)
+        assert (sol.value - 1) % 128 == position
+        assert est.at(b=8, s=4096, n_g=sol.value).peak <= sol.usable < est.at(b=8, s=4096, n_g=sol.value + 128).peak
+        answers[position] = sol.value
+    assert answers == {127: 155_904, 5: 163_590}
+
+
 QWEN2_MIXED = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
 
 
