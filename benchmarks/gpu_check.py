@@ -16,7 +16,7 @@ to the byte) and ``torch.cuda.max_memory_allocated`` (which adds the caching all
 rounding of each block to 512 bytes and cuBLAS's workspaces, which symmem does not model; its
 difference is reported, not judged). SDPA's kernel is the one PyTorch picks on this GPU, read
 off the autograd node of the model's own call, and named to symmem. Then text generation
-(GPT-2 and the 1.1B Llama; dynamic, static and fp8 KV caches): the prefill's and the decoding
+(GPT-2 and the 1.1B Llama; dynamic, static, fp8 and quanto KV caches): the prefill's and the decoding
 step's peaks and the cache (``symmem.measure.generation``) beside symmem's inference estimate.
 
 Exit status 1 when symmem and the tracked step differ on a case. About 3 minutes on an H100.
@@ -94,12 +94,15 @@ CASES = [
 ]
 
 #: generation: model, attention, precision, KV cache (transformers' DynamicCache, StaticCache
-#: of s + n_g positions, QuantizedCache in fp8), the new tokens n_g; the prompt is the model's s
+#: of s + n_g positions, QuantizedCache in fp8 or with quanto, its defaults: residual_length 128,
+#: q_group_size 64), the new tokens n_g; the prompt is the model's s
 INFERENCE_CASES = [
     ("gpt2", "sdpa", "bf16-mixed", "dynamic", 8),
     ("llama-1.1b", "sdpa", "bf16", "dynamic", 8),
     ("llama-1.1b", "eager", "bf16", "static", 8),
     ("llama-1.1b", "sdpa", "bf16", "fp8", 8),
+    ("llama-1.1b", "sdpa", "bf16", "quanto-int4", 8),       # an ordinary step: 7 positions in the residual
+    ("llama-1.1b", "sdpa", "bf16", "quanto-int2", 128),     # the flush
     ("llama-1.1b", "sdpa", "fp32", "dynamic", 8),
 ]
 
@@ -186,7 +189,9 @@ def run_inference(case, size, device):
     prefill, decode, cached = generation(model, ids, n_g, cache=cache, max_cache_len=s + n_g if cache == "static" else None,
                                          autocast=torch.bfloat16 if precision == "bf16-mixed" else None)
     graph = sm.models.from_hf_config({**cfg.to_dict(), "attn_implementation": attention})
-    est = sm.estimate(graph, sm.Policy(precision, device=device, mode="inference", cache=cache, attention=attention))
+    quanto = {"residual_position": (n_g - 1) % 128} if cache.startswith("quanto") else {}   # the step n_g
+    est = sm.estimate(graph, sm.Policy(precision, device=device, mode="inference", cache=cache, attention=attention,
+                                       **quanto))
     ev = est.at(b=b, s=s, n_g=n_g)
     subs = est._subs({"b": b, "s": s, "n_g": n_g})
     predicted = {step: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == step)
