@@ -100,6 +100,9 @@ CASES = [
     # the attention's and the MLP's arguments (the layer norms' outputs) live until each returns
     ("gpt_neox", POINTS[0], "eager", "fp32", 3),
     ("gpt_neox", POINTS[0], "sdpa", "bf16-mixed", 2),
+    # GPTNeoXLayer's `attn_output, _ = self.attention(...)`: the attention weights (float32
+    # under autocast: the rotated query is) live in `_` until the layer returns, past the MLP
+    ("gpt_neox", POINTS[1], "eager", "bf16-mixed", 2),
     # OPT's decoder, called without an attention_mask, makes a float32 mask of ones and int64
     # positions over every position seen, (b, s + n_g) in the decoding step, until it returns;
     # the layer norm before fc1 goes when fc1 returns (the local is rebound); the layer keeps

@@ -114,7 +114,7 @@ def build_gpt_neox(cfg: GPTNeoXConfig) -> Graph:
         key = g.add("rope", key, cos, sin, name="layers/attention/k_rope")
         with g.scope(recompute="attention"):
             z = g.add("attention", q, key, v, mask, dropout=cfg.attention_dropout, causal=True,
-                      probs_like="query", softmax_float32=True, weights_until="layers/attention.dense",
+                      probs_like="query", softmax_float32=True, weights_until="layers/residual",
                       returns_after="layers/attention/merge", name="layers/attention/context")
         z = g.add("merge_heads", z, name="layers/attention/merge")
         z = linear("attention.dense", z, h, h, cfg.attention_bias)
