@@ -149,6 +149,8 @@ PARALLEL_OPTIONS = (
                                  "3: + parameters)"),
     ("--fsdp", "fsdp", str, "NAME", "FSDP sharding: full | grad-op | hybrid (not with --zero)"),
     ("--shard-size", "shard_size", int, "N", "ranks of one shard group under --fsdp hybrid (default 8)"),
+    ("--reduce-dtype", "reduce_dtype", str, "DTYPE", "fp32 | bf16 | fp16: what FSDP's mixed precision (a *-master "
+                                                     "precision under --fsdp) reduces gradients in (default fp32)"),
     ("--offload", "offload", str, "NAME", "none | optimizer | params | both: what lives on the host"),
     ("--reduce-bucket", "reduce_bucket", int, "N", "DeepSpeed's reduce_bucket_size in elements (default 5e8)"),
     ("--prefetch", "prefetch", int, "N", "units gathered ahead under ZeRO-3/FSDP (default 1)"),

@@ -501,8 +501,8 @@ def _llama_loss(ids):
     return lambda m: m(ids, labels=ids).loss
 
 
-def _llama_setup(kind, wrap, mixed=False):
-    """``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
+def _llama_setup(kind, wrap, mixed=False, reduce=torch.float32):
+    """``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=reduce)``;
     ``wrap`` "hybrid": HSDP, a (replicas, 2) mesh, each parameter sharded over 2 ranks."""
     def setup(rank, world_size):
         model, ids = _llama()
@@ -514,7 +514,7 @@ def _llama_setup(kind, wrap, mixed=False):
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("replicate", "shard")) \
                 if wrap == "hybrid" else init_device_mesh("cpu", (world_size,))
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if mixed \
                 else MixedPrecisionPolicy()
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, reshard_after_forward=wrap != "grad-op", mp_policy=mp)
@@ -688,6 +688,38 @@ def test_llama_fsdp2_mixed_precision_is_symmems_bf16_master():
         assert len(gathers) == {"full": 10, "grad-op": 6}[wrap]      # root + 2 layers, + 2 in backward
     # forward / backward / optimizer: full 108,412 / 111,308 / 75,928; grad-op 119,292 / 116,748
     assert tuple(predicted.values()) == (119_292, 116_748, 75_928)
+
+
+def test_llama_fsdp2_reduced_in_bfloat16():
+    # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=bfloat16), AdamW, full shard, 2
+    # ranks: symmem's --reduce-dtype bf16. Each unit's reduce-scatter input is bfloat16 (half
+    # the float32 one) and its output too, cast to the float32 gradient shards (the output freed
+    # when foreach_reduce returns): the phases' maxima are float32 reduction's (108,412 /
+    # 111,308 / 75,928: no reduce-scatter is a maximum here), and so is every unit's chunk_cat
+    # moment, now with the bfloat16 input. The cast's moment (the bfloat16 output beside the
+    # new float32 shards) is below the measured one by gradients FSDP2 lets go of only after
+    # the reduce (a layer's last norm's, 32 bytes; the root's embedding's, 3,200 less 32): not
+    # modelled, and below each phase's maximum.
+    import symmem as sm
+    ranks = distributed_step(_llama_setup("adamw", "full", mixed=True, reduce=torch.bfloat16), 2)
+    model, _ = _llama()
+    est = sm.estimate(sm.models.from_hf_config(model.config.to_dict()),
+                      sm.Policy("bf16-master", "adamw", "cpu", "for-loop", attention="eager",
+                                parallel="dp=2,fsdp=full,reduce_dtype=bf16"))
+    subs = est._subs({"b": 2, "s": 8})
+    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+                 for ph in ("forward", "backward", "optimizer")}
+    assert ranks[0].step.phase_peaks == predicted == {"forward": 108_412, "backward": 111_308, "optimizer": 75_928}
+    chunk_cat = [x.live_bytes for x in ranks[0].step.timeline if x.op == "fsdp.chunk_cat.default"]
+    moments = [int(p.total.xreplace(subs)) for p in est.timeline if p.where.startswith("backward reduce-scatter ")
+               and "cast" not in p.where]
+    assert moments == chunk_cat == [91_844, 78_652, 75_868]      # layer 1, layer 0, the root
+    # float32 reduction's chunk_cat moments: each unit's input twice as large (a layer's 5,440
+    # bytes more, the root's 6,432)
+    f32 = sm.estimate(sm.models.from_hf_config(model.config.to_dict()),
+                      sm.Policy("bf16-master", "adamw", "cpu", "for-loop", attention="eager", parallel="dp=2,fsdp=full"))
+    assert [int(p.total.xreplace(subs)) for p in f32.timeline if p.where.startswith("backward reduce-scatter ")] == \
+        [91_844 + 5_440, 78_652 + 5_440, 75_868 + 6_432]
 
 
 def test_llama_hsdp_rank_is_symmems():

@@ -81,6 +81,9 @@ def test_parallel_defaults_and_specs():
     ({"pp": 4, "virtual_stages": 2}, "virtual_stages = 2 is not valid: expected 1 with the 1f1b schedule"),
     ({"pp": 4, "microbatches": 0}, "microbatches = 0 is not valid: expected a whole number >= 1."),
     ({"cp": 0}, "cp = 0 is not valid: expected a whole number >= 1 or the symbol c."),
+    ({"dp": 8, "fsdp": "full", "reduce_dtype": "int8"}, "reduce_dtype = 'int8' is not valid: expected one of fp32, "
+                                                         "bf16, fp16."),
+    ({"dp": 8, "zero": 3, "reduce_dtype": "bf16"}, "reduce_dtype = 'bf16' is not valid: expected fp32 without --fsdp"),
     ({"ep": 0}, "ep = 0 is not valid: expected a whole number >= 1 or the symbol e."),
     ({"sp": True}, "sp = True is not valid: expected tensor parallelism beside it (tp > 1): sequence "
                    "parallelism splits the layers' norms and dropouts over the tensor-parallel ranks."),
@@ -104,6 +107,18 @@ def test_bad_specs_and_combinations():
     sm.Policy(parallel="dp=8,zero=1", accumulate=4)          # ZeRO-1 and DDP accumulate as before
     with pytest.raises(ConfigError, match="parallel with --mode inference"):
         sm.Policy(parallel="dp=8", mode="inference")
+
+
+def test_reduce_dtype_is_the_mixed_precisions_half_dtype():
+    g = sm.models.preset("gpt2")
+    for precision in ("bf16-mixed", "fp16-master", "bf16"):
+        with pytest.raises(ConfigError) as e:
+            sm.estimate(g, sm.Policy(precision, parallel="dp=8,fsdp=full,reduce_dtype=bf16"))
+        assert str(e.value).startswith("reduce_dtype = 'bf16' is not valid: expected fp32, or the parameters' half "
+                                       "dtype under FSDP's mixed precision (bf16 with --precision bf16-master, fp16 "
+                                       f"with fp16-master). With --precision {precision} FSDP reduces")
+    est = sm.estimate(g, sm.Policy("bf16-master", parallel="dp=8,fsdp=full,reduce_dtype=bf16"))
+    assert "gradients reduced in bf16" in est.policy.describe()
 
 
 def test_global_batch_must_divide():

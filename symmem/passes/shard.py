@@ -81,7 +81,13 @@ What each layout changes, as the libraries allocate it:
   gradients are half precision; the reduce-scatter input (``chunk_cat`` casts) and the
   gradient shards are float32, stepped as they are (no cast copy); the buffers are not cast
   (the rotary's ``inv_freq`` stays float32). Checked the same way, every all-gather's moment
-  included (``test_llama_fsdp2_mixed_precision_is_symmems_bf16_master``).
+  included (``test_llama_fsdp2_mixed_precision_is_symmems_bf16_master``). ``reduce_dtype``
+  ``bf16`` (or ``fp16``: ``MixedPrecisionPolicy(reduce_dtype=)`` the parameters' dtype, as
+  llama-recipes and fms-fsdp set it): the reduce-scatter's input and output in it, the output
+  cast to the float32 gradient shards (both beside each other until ``foreach_reduce``
+  returns). Measured: the phases' maxima and each unit's ``chunk_cat`` moment; FSDP2 lets go of
+  a unit's last gradients (a norm's; the root's embedding's) only after the cast, which is
+  not modelled (32 and 3,168 bytes at the cast's moments of a two-layer Llama).
 - **FSDP grad-op** (``reshard_after_forward=False``, SHARD_GRAD_OP): as full, but a unit
   gathered in forward stays whole until its backward has run (all of them at the end of
   forward: ZeRO-2's peak), and nothing is gathered in backward.
@@ -102,6 +108,7 @@ import sympy as sp
 
 from . import tensor
 from ..lowering import grad_bytes, weight_bytes
+from ..errors import ConfigError
 from ..graph import Node
 from ..plan import Alloc, Backward, Begin, Compute, End, Free, Key, Mark, Plan
 from ..requirements import Requirement
@@ -113,6 +120,15 @@ ZERO = sp.Integer(0)
 
 
 def prepare(graph, policy):
+    """The graph as it is, after checking that a reduce dtype other than float32 is FSDP's
+    mixed precision's half dtype."""
+    rd = policy.parallel.reduce_dtype
+    half = {"bfloat16": "bf16", "float16": "fp16"}.get(policy.prec.compute)
+    if rd != "fp32" and not (policy.prec.master and not policy.prec.fp8 and rd == half):
+        raise ConfigError("reduce_dtype", rd, "fp32, or the parameters' half dtype under FSDP's mixed precision "
+                          "(bf16 with --precision bf16-master, fp16 with fp16-master)",
+                          f"With --precision {policy.precision} FSDP reduces in the gradients' own dtype: leave "
+                          "--reduce-dtype out.")
     return graph
 
 
@@ -210,6 +226,8 @@ class _Shard:
         #: FSDP2's MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32): a half-precision
         #: model with a float32 master copy, sharded by FSDP (``bf16-master``, ``fp16-master``)
         self.mp = self.fsdp and bool(policy.prec.master) and not policy.prec.fp8
+        #: ... with reduce_dtype the half dtype: the reduce-scatter in it, its output cast to float32
+        self.reduce_half = self.mp and par.reduce_dtype != "fp32"
 
     def _master(self, nbytes):
         """``nbytes`` priced in the master dtype (float32) under FSDP's mixed precision: the
@@ -502,14 +520,16 @@ class _Shard:
             # copied padded into one flat input (chunk_cat), kept until the next unit reduces
             if self.scattering is not None:
                 out.append(Free(self.scattering[0], self.scattering[1], "transient"))
-            total = sp.expand(sum((self._master(x.nbytes) * self.n * self._shard(x.key.name, 1) for x in made),
-                                  ZERO))
+            total = sp.expand(sum(((x.nbytes if self.reduce_half else self._master(x.nbytes))
+                                   * self.n * self._shard(x.key.name, 1) for x in made), ZERO))
             self.scattering = (Key("reduce-scatter input", block or "root"), total)
             out += [Alloc(self.scattering[0], total, "transient"),
                     Mark("backward", f"reduce-scatter {block or 'root'}")]
         out += [Free(Key("full grad", x.key.name, x.key.copy), x.nbytes, "transient") for x in made]
         if device_grads and (self.fsdp or self.stage < 3):     # ZeRO-3's partition exists from the start
             out += [Alloc(x.key, self._shard(x.key.name, self._master(x.nbytes)), "grads") for x in made]
+        if self.reduce_half and device_grads:     # the half-precision output, cast to the float32 shards
+            out.append(Mark("backward", f"reduce-scatter cast {block or 'root'}", (("transient", total / self.n),)))
         return out
 
     # ----- the step -------------------------------------------------------------------------

@@ -36,6 +36,8 @@ FSDP = {"full": "FULL_SHARD: parameters, gradients and optimizer states sharded;
                    "in forward stay whole until its backward (reshard_after_forward=False: ZeRO-2's peak)",
         "hybrid": "HYBRID_SHARD: FULL_SHARD within groups of shard_size ranks (a node), replicated across "
                   "them"}
+#: What FSDP's mixed precision reduce-scatters gradients in (MixedPrecisionPolicy.reduce_dtype).
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 #: What leaves the device: the optimizer states (and master weights, the step on the host),
 #: the parameters (and their gradients), or both.
 OFFLOAD = {"none": "everything on the device",
@@ -96,7 +98,10 @@ class Parallel:
     ranks a mixture of experts' experts are split over (an integer or the symbol ``e``);
     ``ep_load``: ``"balanced"`` or ``"worst"`` routing over them (:data:`EP_LOADS`). ``reduce_bucket``:
     DeepSpeed's ``reduce_bucket_size`` (elements of its gradient bucket, 5e8 by default; FSDP
-    has none); ``prefetch``: units gathered ahead of the one computed (ZeRO-3, FSDP; 1)."""
+    has none); ``prefetch``: units gathered ahead of the one computed (ZeRO-3, FSDP; 1);
+    ``reduce_dtype``: what FSDP's mixed precision (a ``*-master`` precision under ``fsdp``)
+    reduce-scatters the gradients in, ``"fp32"`` (``MixedPrecisionPolicy(reduce_dtype=
+    torch.float32)``, the default) or the parameters' half dtype (``"bf16"``, ``"fp16"``)."""
     dp: object = 1
     zero: int = 0
     fsdp: str | None = None
@@ -113,6 +118,7 @@ class Parallel:
     offload: str = "none"
     reduce_bucket: int = 500_000_000
     prefetch: int = 1
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self):
         for name in DEGREES:
@@ -149,6 +155,14 @@ class Parallel:
             raise ConfigError("offload", off, "parameters sharded: --zero 3 or --fsdp full|hybrid",
                               f"DeepSpeed offloads parameters with ZeRO-3 only (zero={z}, fsdp={fsdp}); "
                               "--offload optimizer works from stage 1.")
+        rd = str(self.reduce_dtype).lower()
+        if rd not in REDUCE_DTYPES:
+            raise ConfigError("reduce_dtype", self.reduce_dtype, f"one of {', '.join(REDUCE_DTYPES)}",
+                              "FSDP's MixedPrecisionPolicy reduces in float32 (fp32) or in the parameters' dtype.")
+        if rd != "fp32" and fsdp is None:
+            raise ConfigError("reduce_dtype", rd, "fp32 without --fsdp (it is FSDP's MixedPrecisionPolicy's)",
+                              "Add --fsdp full, or leave --reduce-dtype out.")
+        object.__setattr__(self, "reduce_dtype", rd)
         for name, low in (("reduce_bucket", 0), ("prefetch", 0), ("virtual_stages", 1), ("microbatches", 1)):
             v = getattr(self, name)
             if isinstance(v, str) and v.strip().isdigit():
@@ -323,6 +337,8 @@ class Parallel:
             out = f"FSDP {self.fsdp} over dp = {self.dp}"
             if self.fsdp == "hybrid":
                 out += f" (sharded within groups of {self.shard_size} ranks)"
+            if self.reduce_dtype != "fp32":
+                out += f", gradients reduced in {self.reduce_dtype}"
         elif self.zero:
             out = f"ZeRO-{self.zero} over dp = {self.dp}"
         else:
