@@ -2,8 +2,8 @@
 
 A question answered before is printed from the cache (:func:`symmem.cache.replay`) before the
 command line's modules (sympy, the engine, the model families) are imported, and so is a table
-of a model and policy asked before at other values (:func:`symmem.kit.answer`); otherwise
-:func:`symmem.cli.main` runs, and its answer is stored (:class:`symmem.cache.recording`).
+(or JSON) of a model and policy asked before at other values (:func:`symmem.kit.answer`);
+otherwise :func:`symmem.cli.main` runs, and its answer is stored (:class:`symmem.cache.recording`).
 """
 import sys
 

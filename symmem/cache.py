@@ -25,7 +25,7 @@ the printed answer is stored too, keyed by the arguments as typed, symmem's vers
 source bytes and the installed sympy's and numpy's files; :func:`replay` prints a stored
 answer without importing sympy, the engine or a model family (``python -m symmem`` asks it
 first). A question asked another way is a miss there; at another batch, sequence or number of
-tokens generated, ``estimate`` and ``infer`` answer from the table's kit (:mod:`symmem.kit`,
+tokens generated, ``estimate`` and ``infer`` answer from the question's kit (:mod:`symmem.kit`,
 beside the answers), without sympy either; otherwise the estimate entry is read: the
 derivation is skipped, the evaluation is not. Only a successful run with nothing on standard
 error is stored. An answer is plain text under a checksum, not a pickle.

@@ -529,10 +529,8 @@ def _report(args, policy: Policy) -> dict:
 def _phase_peaks(est, ev) -> dict:
     """Each phase's own largest moment at the evaluation's values (prefill, decode)."""
     subs = est._subs(ev.values)
-    out: dict = {}
-    for p in est.timeline:
-        out[p.phase] = max(out.get(p.phase, 0), int(sp.ceiling(p.total.xreplace(subs))))
-    return out
+    return {phase: max(int(sp.ceiling(p.total.xreplace(subs))) for p in points)
+            for phase, points in est.phase_points().items()}
 
 
 def cmd_infer(args) -> int:
@@ -544,23 +542,32 @@ def cmd_infer(args) -> int:
 def cmd_estimate(args) -> int:
     policy = _policy(args)
     r = _report(args, policy)
-    if args.format == "json":
-        print(json.dumps(r["json"], indent=2))
-    elif args.format == "latex":
+    if args.format == "latex":
         print(render_latex(args, policy, r))
+        return 0
+    if args.format == "json":
+        shown = r["json"]
+        print(json.dumps(shown, indent=2))
     else:
-        view = table_view(args, policy, r)
-        print(kit.render(view))
-        if cache.cache_dir() is not None:
-            built = table_kit(args, view, r, kit.load(args.argv))
-            if built is not None:
-                kit.save(args.argv, built)
+        shown = table_view(args, policy, r)
+        print(kit.render(shown))
+    if cache.cache_dir() is not None:
+        built = make_kit(args, shown, r, kit.load(args.argv))
+        if built is not None:
+            kit.save(args.argv, built)
     return 0
 
 
 def _policy_line(est) -> str:
     """``policy: ...`` wrapped at spaces only ("for-loop", "micro-batches" stay whole)."""
     return textwrap.fill(f"policy: {est.describe()}", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _free_values(args) -> dict:
+    """The values of the question a kit leaves free (:data:`symmem.kit.FREE`): b, s and n_g
+    where the command has them."""
+    return {"b": args.batch, **({} if args.seq is None else {"s": args.seq}),
+            **({} if getattr(args, "new_tokens", None) is None else {"n_g": args.new_tokens})}
 
 
 def table_view(args, policy: Policy, r: dict) -> dict:
@@ -588,8 +595,6 @@ def table_view(args, policy: Policy, r: dict) -> dict:
     regions = r["regions"]
     head = [f"where each candidate is the peak (b up to 65,536{', s up to s_max' if regions[0].s else ''}, "
             "a log grid):"] if regions else []
-    values = {"b": args.batch, **({} if args.seq is None else {"s": args.seq}),
-              **({"n_g": args.new_tokens} if inference else {})}
     return {
         "title": f"symmem {'infer' if inference else 'estimate'}: {est.graph.name} ({source}), "
                  f"{j['parameters']:,} parameters",
@@ -597,23 +602,25 @@ def table_view(args, policy: Policy, r: dict) -> dict:
         "micro_batches": policy.micro_batches, "inference": inference,
         "components": [*COMPONENTS, *(("cache",) if inference else ())], "roles": list(ROLES),
         "candidates": len(est.candidates), "regions": head + [wrap(str(reg)) for reg in regions],
-        "ranks_lines": ranks, "values": values, "bytes": dict(ev.bytes), "parts": dict(ev.peak_parts),
+        "ranks_lines": ranks, "values": _free_values(args), "bytes": dict(ev.bytes), "parts": dict(ev.peak_parts),
         "where": ev.peak_point.where, "active": str(r["active"]),
         "bound": str(canonical(r["active"].xreplace(est.bindings))),
     }
 
 
-def table_kit(args, view: dict, r: dict, old: dict | None = None) -> dict | None:
-    """The :mod:`symmem.kit` of this table (``old``, the one kept so far, with this answer's
-    candidate added): its static lines; the components, the requirements and every candidate
-    of the peak as formulas in the free values (:func:`symmem.kit.tree`); and, for the
-    candidates that were the peak of a question so far, what the table prints of them (their
-    roles, where, their formula: sympy prints it, so each is added when first needed). None
-    where a kit does not answer (a pipeline's stages, b = 1, a factor a tree cannot hold)."""
+def make_kit(args, shown: dict, r: dict, old: dict | None = None) -> dict | None:
+    """The :mod:`symmem.kit` of this answer, a table's ``shown`` view or JSON document
+    (``old``, the one kept so far, with this answer's candidate added): what it shows that
+    does not depend on the values (:func:`symmem.kit.split`); the components, the requirements
+    and every candidate of the peak as formulas in the free values (:func:`symmem.kit.tree`),
+    for JSON of inference each phase's too; and, for the candidates that were the peak of a
+    question so far, what the answer shows of them (their roles, where, their formula: sympy
+    prints it, so each is added when first needed). None where a kit does not answer (a
+    pipeline's stages, b = 1, a factor a tree cannot hold)."""
     est, ev = r["est"], r["ev"]
-    if est.ranks or args.batch == 1 or view["ranks_lines"]:
+    if est.ranks or args.batch == 1:
         return None
-    free = set(view["values"])
+    free = set(_free_values(args))
     compiled = est.compiled(free={symbols.symbol(k) for k in free})
     i = next(j for j, p in enumerate(est.points) if p is ev.peak_point)
     reqs = []
@@ -622,19 +629,24 @@ def table_kit(args, view: dict, r: dict, old: dict | None = None) -> dict | None
         if req.kind not in ("at most", "divides") or None in sides:
             return None
         reqs.append([req.kind, *sides])
-    static = {k: v for k, v in view.items() if k not in ("values", "bytes", "parts", "where", "active", "bound")}
-    new = {"free": sorted(free), "fixed": _decoder(args), "view": static, "requirements": reqs,
+    static, seen = kit.split(shown, args.format)
+    phases = est.phase_points() if "phase_peaks" in shown else {}
+    new = {"free": sorted(free), "fixed": _decoder(args), "format": args.format, "static": static,
+           "micro_batches": est.policy.micro_batches, "requirements": reqs,
            "components": {k: kit.tree(f.expr) for k, f in compiled.components.items()},
-           "totals": [kit.tree(f.expr) for f in compiled.totals], "details": {}}
+           "totals": [kit.tree(f.expr) for f in compiled.totals],
+           "phases": {k: [kit.tree(sp.expand(p.total.xreplace(compiled.bindings))) for p in ps]
+                      for k, ps in phases.items()},
+           "details": {}}
     # the lines kept so far belong to the same formulas (another region of a sliding window's
     # model, asked under the same key, starts afresh)
     if old is None or any(old.get(k) != new[k] for k in new if k != "details"):
         old = new
     parts = {role: kit.tree(f.expr) for role, f in compiled.parts(i)}
-    if None in (*old["components"].values(), *old["totals"], *parts.values()) or set(parts) != set(ROLES):
+    trees = (*old["components"].values(), *old["totals"], *(t for ts in old["phases"].values() for t in ts))
+    if None in (*trees, *parts.values()) or set(parts) != set(ROLES):
         return None
-    old["details"][str(i)] = {"parts": parts, "where": ev.peak_point.where, "active": view["active"],
-                              "bound": view["bound"]}
+    old["details"][str(i)] = {"parts": parts, **seen}
     return old
 
 

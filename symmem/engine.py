@@ -541,6 +541,14 @@ class Estimate:
         """Every point of the step, in order (before pruning)."""
         return list(self._timeline.points)
 
+    def phase_points(self) -> dict[str, list[Point]]:
+        """Each phase's points that no other point of the phase dominates, phases and points
+        in the timeline's order: each phase's largest moment is among them."""
+        phases: dict = {}
+        for p in self._timeline.points:
+            phases.setdefault(p.phase, []).append(p)
+        return {phase: _prune(points) for phase, points in phases.items()}
+
     def regions(self, b_max: int = 2**16, points: int = 65, **fixed) -> tuple["Region", ...]:
         """Which candidate of the peak binds where: the peak's candidates evaluated with the
         model's and the policy's numbers on a grid of ``points`` x ``points`` (b, s), each

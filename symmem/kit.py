@@ -1,30 +1,34 @@
 """A question's kit: what ``symmem estimate`` (or ``infer``) prints for one model and policy,
-with the batch, the sequence and the tokens generated left free, as plain data that a new
-question evaluates without sympy.
+as a table or as JSON, with the batch, the sequence and the tokens generated left free, as
+plain data that a new question evaluates without sympy.
 
-The first time a table is printed for a model and a policy, the command line keeps (under
-the key of its arguments with those values blanked, :func:`template`) everything the table
-needs: its lines that do not depend on the values; the components and every candidate of the
-peak (each timeline point the peak can be at) as formulas in the free symbols, the model's and
-the policy's numbers bound (:func:`tree`: sums, products and powers, and the ceilings and
-maxima some rules make); the requirements of the formulas; and, for each candidate that was
-the peak of a question so far, its roles, where it is and its formula as sympy printed it
-(added by the run that first needs it: printing every candidate would cost the first question
-a second). Another ``--batch``, ``--seq`` or ``--new-tokens`` then evaluates the formulas with
-Python integers and fractions, takes the first largest candidate as
-:meth:`symmem.engine.Estimate.at` does, and, when that candidate's lines are kept, prints the
-same table through the same :func:`render` (``tests/test_kit.py`` compares both paths'
-output); otherwise the sympy path answers and keeps them. Nothing is imported
-but the standard library and :mod:`symmem.units`: the answer costs the interpreter and a
-file read.
+The first time a table (or JSON, ``--format json``) is printed for a model and a policy, the
+command line keeps (under the key of its arguments with those values blanked,
+:func:`template`; a format's kit apart from the other's) everything the answer needs: what
+it shows that does not depend on the values (:func:`split`: the table's lines, or the JSON
+document with the fields of the values blanked, its formulas as text among them); the
+components and every candidate of the peak (each timeline point the peak can be at) as
+formulas in the free symbols, the model's and the policy's numbers bound (:func:`tree`: sums,
+products and powers, and the ceilings and maxima some rules make), and for JSON of inference
+each phase's points that can be its largest (``phase_peaks``); the requirements of the
+formulas; and, for each candidate that was the peak of a question so far, its roles, where
+it is and its formula as sympy printed it (added by the run that first needs it: printing
+every candidate would cost the first question a second). Another ``--batch``, ``--seq`` or
+``--new-tokens`` then evaluates the formulas with Python integers and fractions, takes the
+first largest candidate as :meth:`symmem.engine.Estimate.at` does, and, when that
+candidate's lines are kept, prints the same table through the same :func:`render`, or the
+same document through ``json.dumps`` (``tests/test_kit.py`` compares both paths' output, byte
+for byte); otherwise the sympy path answers and keeps them. Nothing is imported but the
+standard library and :mod:`symmem.units`: the answer costs the interpreter and a file read.
 
-A kit is not made (the sympy path answers) for another format, a pipeline (per-stage
-tables), b = 1 (derived apart: :attr:`~symmem.engine.Estimate.at_one`), or a formula with
+A kit is not made (the sympy path answers) for LaTeX, a pipeline (per-stage tables and
+``ranks``), b = 1 (derived apart: :attr:`~symmem.engine.Estimate.at_one`), or a formula with
 another kind of factor;
 a question a kit cannot answer (a requirement broken, a value not a positive integer, a
 spelling it does not know) goes the sympy path too, which prints the error. Kits live beside
 the stored answers (:mod:`symmem.cache`), as JSON under a checksum, keyed like them by
-symmem's code and the installed sympy and numpy.
+symmem's code and the installed sympy and numpy; the magic at their head names the kit's
+layout, so that a kit of another layout is not read.
 """
 from __future__ import annotations
 
@@ -37,13 +41,14 @@ from fractions import Fraction
 from .cache import _answer_path, _write_blob, answer_key, cache_dir
 from .units import format_bytes
 
-__all__ = ["FREE", "WIDTH", "template", "load", "answer", "save", "render", "evaluate", "tree", "wrap"]
+__all__ = ["FREE", "WIDTH", "template", "load", "answer", "save", "render", "evaluate", "split", "text", "tree",
+           "wrap"]
 
 #: the flags whose values a kit leaves free, and their symbols
 FREE = {"--batch": "b", "--seq": "s", "--new-tokens": "n_g"}
 #: table width, as the command line's
 WIDTH = 88
-_MAGIC = b"symmem-kit-1\n"
+_MAGIC = b"symmem-kit-2\n"
 
 
 def template(argv: list[str]) -> tuple | None:
@@ -113,16 +118,16 @@ def load(argv: list[str]) -> dict | None:
 
 
 def answer(argv: list[str]) -> int | None:
-    """Print the table for ``argv`` from its kit and return 0; None where no kit answers."""
+    """Print the answer to ``argv`` (its table or JSON) from its kit and return 0; None where no kit answers."""
     t = template(argv) if cache_dir() is not None else None
     kit = None if t is None else _load(t[0])
     if kit is None:
         return None
-    view = evaluate(kit, t[1])
-    if view is None:
+    out = text(kit, t[1])
+    if out is None:
         return None
     try:
-        sys.stdout.write(render(view) + "\n")
+        sys.stdout.write(out + "\n")
         sys.stdout.flush()
     except BrokenPipeError:     # the reader stopped early (`symmem ... | head`): not an error
         sys.stdout = None
@@ -203,29 +208,69 @@ def _broken(req, values: dict) -> bool:
     return lv > rv
 
 
+#: the table's lines, and the JSON's fields, of the peak's candidate: kept per candidate (the
+#: JSON's formula of it, ``formula.peak_at_inputs``, too)
+_SEEN = {"table": ("where", "active", "bound"),
+         "json": ("peak_phase", "peak_node", "peak_iteration", "peak_where")}
+#: the JSON's fields that depend on the values (``inputs`` holds two more: batch, seq)
+_VALUED = ("batch_per_step", "bytes", "host_bytes", "new_tokens", "phase_peaks", "peak_breakdown")
+
+
+def split(shown: dict, fmt: str) -> tuple[dict, dict]:
+    """``(static, seen)``: what a kit keeps of a printed table's view (``fmt`` "table") or JSON
+    document ("json") for every question, the fields of the values blanked (a dict's keys kept,
+    in order), and what it keeps for the peak's candidate."""
+    seen = {k: shown[k] for k in _SEEN[fmt]}
+    if fmt == "table":
+        return {k: v for k, v in shown.items() if k not in (*seen, "values", "bytes", "parts")}, seen
+    seen["peak_at_inputs"] = shown["formula"]["peak_at_inputs"]
+    static = {k: v if k not in (*seen, *_VALUED) else dict.fromkeys(v) if isinstance(v, dict) else None
+              for k, v in shown.items()}
+    static["inputs"] = {**shown["inputs"], "batch": None, "seq": None}
+    static["formula"] = {**shown["formula"], "peak_at_inputs": None}
+    return static, seen
+
+
 def evaluate(kit: dict, values: dict) -> dict | None:
-    """The view :func:`render` prints, at ``values`` ({"b": 8, "s": 1024, ...}); None where the
-    kit does not answer (a value missing or b = 1, or a requirement broken: the sympy path
-    then answers or says what is wrong)."""
+    """The view :func:`render` prints (the document ``json.dumps`` prints, for a JSON kit), at
+    ``values`` ({"b": 8, "s": 1024, ...}); None where the kit does not answer (a value missing
+    or b = 1, or a requirement broken: the sympy path then answers or says what is wrong)."""
     if set(values) != set(kit["free"]) or values.get("b") == 1:
         return None
-    values = {**kit["fixed"], **values}           # the decoder's length, part of the key
+    given, values = values, {**kit["fixed"], **values}       # the decoder's length, part of the key
     if any(_broken(req, values) for req in kit["requirements"]):
         return None
     nums = {k: _value(p, values) for k, p in kit["components"].items()}
     totals = [_value(p, values) for p in kit["totals"]]
-    if any(v is None for v in (*nums.values(), *totals)):
+    phases = {k: [_value(p, values) for p in ps] for k, ps in kit["phases"].items()}
+    if None in (*nums.values(), *totals, *(x for xs in phases.values() for x in xs)):
         return None
     i = max(range(len(totals)), key=lambda j: totals[j])       # the first largest, as Estimate.at
     seen = kit["details"].get(str(i))
     if seen is None:                # a candidate no question had as its peak yet: sympy prints it
         return None
-    view = dict(kit["view"])
-    view["values"] = {k: v for k, v in values.items() if k in kit["free"]}
-    view["bytes"] = {**{k: _ceil(v) for k, v in nums.items()}, "peak": _ceil(totals[i])}
-    view["parts"] = {role: _ceil(_value(p, values)) for role, p in seen["parts"].items()}
-    view["where"], view["active"], view["bound"] = seen["where"], seen["active"], seen["bound"]
-    return view
+    nums = {**{k: _ceil(v) for k, v in nums.items()}, "peak": _ceil(totals[i])}
+    parts = {role: _ceil(_value(p, values)) for role, p in seen["parts"].items()}
+    out = {**kit["static"], **{k: seen[k] for k in _SEEN[kit["format"]]}}
+    if kit["format"] == "table":
+        return {**out, "values": given, "bytes": nums, "parts": parts}
+    out["inputs"] = {**out["inputs"], "batch": given["b"], "seq": given.get("s")}
+    out["batch_per_step"] = given["b"] * kit["micro_batches"]
+    out["bytes"] = {k: nums[k] for k in out["bytes"]}
+    if "host_bytes" in out:
+        out["host_bytes"] = nums["host"]
+    if "new_tokens" in out:
+        out["new_tokens"], out["phase_peaks"] = given["n_g"], {k: _ceil(max(xs)) for k, xs in phases.items()}
+    out["peak_breakdown"] = {role: x for role, x in parts.items() if role in out["peak_breakdown"]}
+    out["formula"] = {**out["formula"], "peak_at_inputs": seen["peak_at_inputs"]}
+    return out
+
+
+def text(kit: dict, values: dict) -> str | None:
+    """What the question at ``values`` prints (without the last newline), from ``kit``; None
+    where the kit does not answer (:func:`evaluate`)."""
+    out = evaluate(kit, values)
+    return None if out is None else render(out) if kit["format"] == "table" else json.dumps(out, indent=2)
 
 
 # ----- the table ----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""symmem.kit: a table asked again at other values, answered from the kit the first answer
-kept, without sympy, and printed exactly as the sympy path prints it."""
+"""symmem.kit: a table (or JSON) asked again at other values, answered from the kit the first
+answer kept, without sympy, and printed exactly as the sympy path prints it."""
 import os
 import subprocess
 import sys
@@ -19,6 +19,8 @@ QUESTIONS = [
     (["estimate", "--model", "t5-small", "--decoder-seq", "64", "--precision", "fp32"], [(8, 512), (2, 64)]),
     (["estimate", "--model", "mixtral-8x7b", "--precision", "bf16"], [(1 + 1, 4096), (16, 512)]),
     (["infer", "--model", "llama-3-8b", "--precision", "bf16", "--new-tokens", "256"], [(8, 4096), (64, 128)]),
+    # ZeRO-3 with the optimizer on the host: the host's bytes beside the peak
+    (["estimate", "--model", "gpt2", "--dp", "2", "--zero", "3", "--offload", "optimizer"], [(4, 512), (8, 1024)]),
 ]
 
 
@@ -33,11 +35,13 @@ def _sympy_path(argv, capsys, monkeypatch):
     return capsys.readouterr().out
 
 
+@pytest.mark.parametrize("fmt", ["table", "json"])
 @pytest.mark.parametrize("head,points", QUESTIONS, ids=[" ".join(q[0][:3]) for q in QUESTIONS])
-def test_a_kit_prints_what_sympy_prints(head, points, tmp_path, monkeypatch, capsys):
+def test_a_kit_prints_what_sympy_prints(head, points, fmt, tmp_path, monkeypatch, capsys):
     """The first question keeps a kit; each later one is answered from it (the sympy path when
     its peak is a candidate no question had yet, which adds it), and every answer equals the
-    sympy path's at the same values, byte for byte."""
+    sympy path's at the same values, byte for byte, as a table and as JSON."""
+    head = [*head, "--format", fmt]
     monkeypatch.setenv("SYMMEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("SYMMEM_NO_CACHE", "0")
     first = _argv(head, *points[0])
@@ -50,8 +54,8 @@ def test_a_kit_prints_what_sympy_prints(head, points, tmp_path, monkeypatch, cap
         out = capsys.readouterr().out
         assert out == _sympy_path(argv, capsys, monkeypatch), (b, s)
     for b, s in points[1:]:                 # now from the kit alone
-        view = kit.evaluate(kit.load(first), {"b": b, "s": s, **({"n_g": 256} if head[0] == "infer" else {})})
-        assert view is not None and kit.render(view) + "\n" == _sympy_path(_argv(head, b, s), capsys, monkeypatch)
+        out = kit.text(kit.load(first), {"b": b, "s": s, **({"n_g": 256} if head[0] == "infer" else {})})
+        assert out is not None and out + "\n" == _sympy_path(_argv(head, b, s), capsys, monkeypatch)
 
 
 def _probe(argv, env):
@@ -60,18 +64,20 @@ def _probe(argv, env):
     return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env)
 
 
-def test_a_kit_answers_without_sympy(tmp_path):
+@pytest.mark.parametrize("fmt,shown", [("table", "b = 16"), ("json", '"batch": 16')])
+def test_a_kit_answers_without_sympy(fmt, shown, tmp_path):
     """Another batch and sequence of a question asked before: no sympy imported."""
     env = {**os.environ, "SYMMEM_NO_CACHE": "0", "SYMMEM_CACHE_DIR": str(tmp_path)}
-    head = ["estimate", "--model", "llama-2-7b", "--precision", "bf16-mixed"]
+    head = ["estimate", "--model", "llama-2-7b", "--precision", "bf16-mixed", "--format", fmt]
     assert _probe(_argv(head, 8, 2048), env).stdout.endswith("\nSYMPY\n")
     again = _probe(_argv(head, 16, 2048), env)      # the same candidate binds: from the kit
-    assert again.returncode == 0 and again.stdout.endswith("NO SYMPY\n") and "b = 16" in again.stdout
+    assert again.returncode == 0 and again.stdout.endswith("NO SYMPY\n") and shown in again.stdout
 
 
 def test_what_a_kit_leaves_to_sympy(tmp_path, monkeypatch, capsys):
     """b = 1 (derived apart) and values that break a requirement (a sequence past GPT-2's 1,024
-    positions) are not answered from the kit: the sympy path prints the answer or the error."""
+    positions) are not answered from the kit: the sympy path prints the answer or the error; a
+    pipeline keeps no kit."""
     monkeypatch.setenv("SYMMEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("SYMMEM_NO_CACHE", "0")
     head = ["estimate", "--model", "gpt2"]
@@ -82,6 +88,9 @@ def test_what_a_kit_leaves_to_sympy(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(_argv(head, 4, 2048)) == 1
     assert "s = 2048 is not valid" in capsys.readouterr().err
+    for fmt in ("table", "json"):       # a pipeline's stages: each stage's bytes, not in a kit
+        assert main(_argv([*head, "--pp", "2", "--format", fmt], 4, 512)) == 0
+        assert kit.load(_argv([*head, "--pp", "2", "--format", fmt], 4, 512)) is None
 
 
 def test_the_template():
@@ -97,14 +106,17 @@ def test_the_template():
         assert kit.template(argv) is None, argv
 
 
-def test_a_window_s_two_regions_share_a_key(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_a_window_s_two_regions_share_a_key(fmt, tmp_path, monkeypatch, capsys):
     """Mistral 7B v0.1 under SDPA: below its window of 4,096 and from it on the formulas differ
     (transformers passes SDPA the window's mask), under the same kit key; each region's
     questions print what the sympy path prints, whichever region the kit was kept for."""
     monkeypatch.setenv("SYMMEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("SYMMEM_NO_CACHE", "0")
-    head = ["estimate", "--model", "mistral-7b", "--precision", "bf16-mixed"]
+    head = ["estimate", "--model", "mistral-7b", "--precision", "bf16-mixed", "--format", fmt]
     for b, s in [(4, 2048), (4, 8192), (8, 8192), (8, 2048), (4, 2048), (4, 8192)]:
         assert main(_argv(head, b, s)) == 0
         out = capsys.readouterr().out
         assert out == _sympy_path(_argv(head, b, s), capsys, monkeypatch), (b, s)
+    kept = kit.load(_argv(head, 8, 2048))       # the last kept, at (8, 2048): s below the window
+    assert kit.text(kept, {"b": 8, "s": 2048}) is not None and kit.text(kept, {"b": 8, "s": 8192}) is None
