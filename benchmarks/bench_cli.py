@@ -2,11 +2,12 @@
 (``SYMMEM_NO_CACHE=1``), cold (an empty cache directory: derive and store), warm estimate
 (the derived estimate there, the question new: another batch size each run, so the answer
 is computed from the stored formulas: from the question's kit, :mod:`symmem.kit`, without
-sympy), the same without kits (each removed before the run: sympy evaluates the stored
-estimate) and warm answer (the same question again: the stored answer printed, no sympy
-imported), beside ``python -c pass`` (the interpreter alone) and
-``python -c "import symmem; symmem.models"`` (the library with sympy and the families). The processes write and read Python's bytecode
-(``__pycache__``), as an installed package does, whatever ``PYTHONDONTWRITEBYTECODE`` says.
+sympy), the same with ``--format json`` (from its own kit), the same without kits (each
+removed before the run: sympy evaluates the stored estimate) and warm answer (the same
+question again: the stored answer printed, no sympy imported), beside ``python -c pass``
+(the interpreter alone) and ``python -c "import symmem; symmem.models"`` (the library with
+sympy and the families). The processes write and read Python's bytecode (``__pycache__``),
+as an installed package does, whatever ``PYTHONDONTWRITEBYTECODE`` says.
 
 Run: python benchmarks/bench_cli.py [--runs 5]
 
@@ -60,11 +61,14 @@ def main(argv=None) -> int:
                 def batch(n):
                     i = question.index("--batch") + 1
                     return [*question[:i], str(n), *question[i + 1:]]
-                if run == 0:                                 # fill the warm cache once, a kit with it
-                    timed(SYMMEM + question, warm)
-                    timed(SYMMEM + batch(99), warm)
+                as_json = ["--format", "json"]
+                if run == 0:                                 # fill the warm cache once, the kits with it
+                    for fmt in ([], as_json):
+                        timed(SYMMEM + question + fmt, warm)
+                        timed(SYMMEM + batch(99) + fmt, warm)
                 for label, env, cmd in (("no cache", off, question), ("cold cache", cold, question),
                                         ("warm estimate", warm, batch(100 + run)),
+                                        ("warm estimate, JSON", warm, batch(100 + run) + as_json),
                                         ("warm estimate without kits", warm, batch(200 + run)),
                                         ("warm answer", warm, question)):
                     if label.endswith("without kits"):
