@@ -541,6 +541,9 @@ def cmd_infer(args) -> int:
 
 def cmd_estimate(args) -> int:
     policy = _policy(args)
+    if policy.mode == "inference" and not hasattr(args, "new_tokens"):
+        raise ConfigError("mode", "inference", "training for symmem estimate",
+                          "Use symmem infer (the same options, and --new-tokens N for the decoding step).")
     r = _report(args, policy)
     if args.format == "latex":
         print(render_latex(args, policy, r))
@@ -758,15 +761,21 @@ def _solution_json(sol, bud, est) -> dict:
     }
 
 
-#: The option that fixes a symbol; any other is fixed with --set NAME=VALUE.
+#: The option that fixes a symbol; any other is fixed with solve's --set NAME=VALUE, or by the
+#: model's config.
 SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D", "d": "--dp D", "t": "--tp T",
-               "c": "--cp C", "e": "--ep E"}
+               "c": "--cp C", "e": "--ep E", "n_g": "--new-tokens N", "r": "--lora R (a number)"}
 
 
-def _missing(names: list, why: str) -> ConfigError:
-    """The library names missing keyword arguments (s=...): say it with the shell's flags."""
-    flags = [SHELL_FLAGS.get(n, f"--set {n}=VALUE") for n in names]
-    return ConfigError(flags[0].split()[0], None, f"a value: {why}", f"Pass {' and '.join(flags)}.")
+def _missing(names: list, why: str, settable: bool = False) -> ConfigError:
+    """The library names missing keyword arguments (s=...): say it with the shell's flags
+    (``settable``: the command has ``--set``; otherwise a symbol without a flag is the
+    model's, fixed in its config)."""
+    def flag(n):
+        return SHELL_FLAGS.get(n) or (f"--set {n}=VALUE" if settable else f"a --config whose values fix {n}")
+    flags = [flag(n) for n in names]
+    first = flags[0].split()[0] if flags[0].startswith("--") else names[0]
+    return ConfigError(first, None, f"a value: {why}", f"Pass {' and '.join(flags)}.")
 
 
 def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
@@ -780,7 +789,8 @@ def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
     except ConfigError as e:
         if e.field != "values" or not isinstance(e.value, list):
             raise
-        raise _missing(e.value, f"solving for {symbol} needs {', '.join(e.value)} fixed") from None
+        raise _missing(e.value, f"solving for {symbol} needs {', '.join(e.value)} fixed",
+                       settable=hasattr(args, "set")) from None
     except Infeasible as e:
         if args.format == "json":
             print(json.dumps({"symbol": symbol, "direction": direction, "fixed": fixed,

@@ -497,3 +497,16 @@ def test_image_models_need_no_seq(capsys):
             "(tokens per sequence)). Pass --seq S.") in err
     code, out, err = run(capsys, "max-batch", "--model", "gpt2", "--budget", "24GB")
     assert code == 1 and "solving for b needs s fixed. Pass --seq S." in err
+
+
+def test_a_symbol_left_free_names_the_flag_the_command_has(capsys):
+    """estimate and max-batch have no --set: the LoRA rank left a symbol asks for --lora, n_g
+    for --new-tokens; estimate refuses inference mode (infer's), naming infer."""
+    argv = ["--model", "gpt2", "--seq", "128"]
+    assert main(["estimate", *argv, "--batch", "2", "--lora", "r"]) == 1
+    assert "the formulas of gpt2 use r (r: LoRA adapter rank). Pass --lora R (a number)." in capsys.readouterr().err
+    assert main(["max-batch", *argv, "--mode", "inference", "--gpu", "H100-80GB"]) == 1
+    assert "solving for b needs n_g fixed. Pass --new-tokens N." in capsys.readouterr().err
+    assert main(["estimate", *argv, "--batch", "2", "--mode", "inference"]) == 1
+    assert ("mode = 'inference' is not valid: expected training for symmem estimate. Use symmem infer"
+            in capsys.readouterr().err)
