@@ -773,11 +773,12 @@ def _t5_setup(kind, wrap, precision):
     return setup
 
 
+# Also measured equal, left out of the suite for its time (about 12 s each): AdamW full shard
+# under MixedPrecisionPolicy (bf16-master: 670,424 / 732,780 / 536,978) and under bf16 autocast
+# (937,176 / 962,768 / 536,980).
 @pytest.mark.parametrize("kind,wrap,precision,phases", [
     ("adamw", "full", "fp32", (849_112, 905_488, 536_980)),
-    ("sgd", "grad-op", "fp32", (799_640, 762_512, 262_148)),
-    ("adamw", "full", "bf16-master", (670_424, 732_780, 536_978)),
-    ("adamw", "full", "bf16-mixed", (937_176, 962_768, 536_980))])
+    ("sgd", "grad-op", "fp32", (799_640, 762_512, 262_148))])
 def test_t5_fsdp2_rank_is_symmems(kind, wrap, precision, phases):
     # Every T5Block its own unit: the first block of each stack, written out of symmem's
     # repeated block (it makes the position bias), is gathered as one too. Shards on 2 ranks:
@@ -901,7 +902,9 @@ def test_llama_tensor_parallel_rank_is_symmems(precision, forward, unseen, large
         assert r.step.phase_peaks["optimizer"] == predicted["optimizer"] + 3_200 == 40_356
 
 
-@pytest.mark.parametrize("wrap,precision", [("full", "fp32"), ("grad-op", "fp32"), ("full", "bf16-master")])
+# grad-op shard, fp32, measured too (90,748 / 87,660, 85,484 measured / 40,472; the log_softmax's
+# moment as with bf16-master below), left out of the suite for its time
+@pytest.mark.parametrize("wrap,precision", [("full", "fp32"), ("full", "bf16-master")])
 def test_llama_fsdp2_beside_tensor_parallel_rank_is_symmems(wrap, precision):
     # FSDP2 over 2 data-parallel ranks of 2 tensor-parallel ones (4 processes), AdamW. Each rank
     # shards its tensor-parallel parameters (18,496 bytes, test above) in two, every dim 0 even
@@ -941,8 +944,7 @@ def test_llama_fsdp2_beside_tensor_parallel_rank_is_symmems(wrap, precision):
             assert predicted["backward"] == r.step.timeline[i - 1].live_bytes + 3_200
             others = [v for where, v in moments["backward"] if where != "backward log_softmax"]
             assert r.step.phase_peaks["backward"] == max(others)
-    # forward / backward / optimizer: fp32 full 78,716 / 83,052 / 40,472; grad-op 90,748 /
-    # 87,660 (85,484 measured) / 40,472; bf16-master full 62,044 / 63,372 (60,304) / 40,472
+    # forward / backward / optimizer: fp32 full 78,716 / 83,052 / 40,472; bf16-master full
+    # 62,044 / 63,372 (60,304 measured) / 40,472
     assert tuple(predicted.values()) == {("full", "fp32"): (78_716, 83_052, 40_472),
-                                         ("grad-op", "fp32"): (90_748, 87_660, 40_472),
                                          ("full", "bf16-master"): (62_044, 63_372, 40_472)}[wrap, precision]

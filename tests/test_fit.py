@@ -137,7 +137,8 @@ def test_the_states_shortcut_changes_no_layout(monkeypatch):
 
 @pytest.mark.parametrize("parallel,sharding", [("dp=4", "ddp"), ("dp=4,zero=1", "zero-1"), ("dp=4,zero=2", "zero-2"),
                                                ("dp=4,zero=3", "zero-3"), ("dp=4,fsdp=full", "fsdp-full"),
-                                               ("dp=2,tp=2,sp=true", "ddp"), ("pp=2,microbatches=4", "ddp"),
+                                               ("dp=2,tp=2,sp=true", "ddp"), ("dp=2,tp=2,sp=true,zero=1", "zero-1"),
+                                               ("dp=2,tp=2,sp=true,fsdp=full", "fsdp-full"), ("pp=2,microbatches=4", "ddp"),
                                                ("dp=2,pp=2,zero=1,microbatches=4", "zero-1")])
 def test_the_states_floor_is_below_every_rank_s_states(parallel, sharding):
     """fit skips a layout whose _states_floor exceeds the budget without deriving it: the floor,

@@ -143,9 +143,9 @@ RECOMPUTE = {"none": (None, False), "full": ("non-reentrant", False), "full,reen
 # backward runs before the recomputation, which stops at the layer norm
 @example(ops=["ln", "scale"], tied=False, p_drop=0.0, precision="fp32", optimizer="sgd", n=2, recompute="full",
          accumulate=1, bb=2, ss=4)
-# derandomize: the same 40 examples on every run, so that CI is deterministic; explore further
-# by hand with a larger max_examples and derandomize=False
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same 25 examples on every run, so that CI is deterministic (and the suite
+# within its time); explore further by hand with a larger max_examples and derandomize=False
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=4), tied=st.booleans(),
        p_drop=st.sampled_from([0.0, 0.1]), precision=st.sampled_from(["fp32", "bf16-mixed"]),
        optimizer=st.sampled_from(list(OPTIMIZERS)), n=st.integers(1, 4),
