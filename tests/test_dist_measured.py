@@ -6,6 +6,9 @@ buckets, FSDP2's padded shards, all-gathered units and sharded gradients and Ada
 (``fully_shard``, full shard and grad-op shard), and a ColwiseParallel/RowwiseParallel MLP.
 """
 
+import contextlib
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -318,6 +321,22 @@ def _tp_mlp():
     return model, torch.randn(8, 16)
 
 
+class _Settled:
+    """What ``training_step`` calls ``backward()`` on: the loss's backward (under ``context``),
+    then a pause for gloo's worker thread, which lets go of a finished collective's tensors
+    (here DTensor's all-reduces, which no custom collective can wrap) when it is next
+    scheduled: without it they were at times counted into the optimizer step (512 bytes of the
+    MLP's, 1,024 of the Llama's)."""
+
+    def __init__(self, loss, context=contextlib.nullcontext):
+        self.loss, self.context = loss, context
+
+    def backward(self):
+        with self.context():
+            self.loss.backward()
+        time.sleep(0.2)
+
+
 def _tp(kind):
     def setup(rank, world_size):
         from torch.distributed.device_mesh import init_device_mesh
@@ -325,7 +344,7 @@ def _tp(kind):
         mesh = init_device_mesh("cpu", (world_size,))
         model, x = _tp_mlp()
         model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        return RankSetup(model, _loss(x), _optimizer(kind, model.parameters()), [x])
+        return RankSetup(model, lambda m: _Settled(_loss(x)(m)), _optimizer(kind, model.parameters()), [x])
     return setup
 
 
@@ -851,17 +870,9 @@ def _llama_tp_rank(rank, world_size, precision, fsdp=None, kind="sgd"):
         for module in (*model.model.layers, model):
             _reproducible_collectives(module)
 
-    class ParallelLoss:                 # what training_step calls backward() on
-        def __init__(self, loss):
-            self.loss = loss
-
-        def backward(self):
-            with loss_parallel():
-                self.loss.backward()
-
     def loss(m):
         with loss_parallel(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
-            return ParallelLoss(m(ids, labels=ids).loss)
+            return _Settled(m(ids, labels=ids).loss, loss_parallel)
     return RankSetup(model, loss, _optimizer(kind, model.parameters()), [ids])
 
 
