@@ -29,6 +29,13 @@ from symmem.measure_dist import (  # noqa: E402
 )
 
 
+def _predicted(est, **values) -> dict:
+    """symmem's maximum of each phase of a training step at ``values`` (b, s, ...)."""
+    subs = est._subs(values)
+    return {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+            for ph in ("forward", "backward", "optimizer")}
+
+
 def _optimizer(kind, params):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.1, foreach=False)
@@ -562,9 +569,7 @@ def test_llama_ddp_rank_is_one_process_plus_its_bucket():
     import symmem as sm
     est = sm.estimate(sm.models.from_hf_config(model.config.to_dict()),
                       sm.Policy("fp32", "adamw", "cpu", "for-loop", attention="eager", parallel="dp=2"))
-    subs = est._subs({"b": 2, "s": 8})
-    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
-                 for ph in ("forward", "backward", "optimizer")}
+    predicted = _predicted(est, b=2, s=8)
     assert [predicted] * 2 == [r.step.phase_peaks for r in ranks]   # 198,108 / 204,172 / 185,464
 
 
@@ -629,9 +634,7 @@ def test_llama_fsdp2_rank_is_symmems(kind):
         # symmem's FSDP rank from the same config.json, the largest rank's (rank 0's): equal
         est = sm.estimate(graph, sm.Policy("fp32", kind, "cpu", "for-loop", attention="eager",
                                            parallel=f"dp=2,fsdp={wrap}"))
-        subs = est._subs({"b": 2, "s": 8})
-        predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
-                     for ph in ("forward", "backward", "optimizer")}
+        predicted = _predicted(est, b=2, s=8)
         assert predicted == expected, wrap
     # with AdamW: full 135,804 / 145,708 / 75,928, grad-op 157,564 / 152,748 / 75,928;
     # with SGD: full 101,096 / 111,000 / 34,788, grad-op 122,856 / 118,040 / 34,788
@@ -661,9 +664,7 @@ def test_llama_fsdp2_four_ranks_is_symmems():
     model, _ = _llama()
     est = sm.estimate(sm.models.from_hf_config(model.config.to_dict()),
                       sm.Policy("fp32", "adamw", "cpu", "for-loop", attention="eager", parallel="dp=4,fsdp=full"))
-    subs = est._subs({"b": 2, "s": 8})
-    assert {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
-            for ph in ("forward", "backward", "optimizer")} == expected
+    assert _predicted(est, b=2, s=8) == expected
 
 
 def test_llama_fsdp2_mixed_precision_is_symmems_bf16_master():
@@ -726,8 +727,7 @@ def test_llama_fsdp2_reduced_in_bfloat16():
                       sm.Policy("bf16-master", "adamw", "cpu", "for-loop", attention="eager",
                                 parallel="dp=2,fsdp=full,reduce_dtype=bf16"))
     subs = est._subs({"b": 2, "s": 8})
-    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
-                 for ph in ("forward", "backward", "optimizer")}
+    predicted = _predicted(est, b=2, s=8)
     assert ranks[0].step.phase_peaks == predicted == {"forward": 108_412, "backward": 111_308, "optimizer": 75_928}
     chunk_cat = [x.live_bytes for x in ranks[0].step.timeline if x.op == "fsdp.chunk_cat.default"]
     moments = [int(p.total.xreplace(subs)) for p in est.timeline if p.where.startswith("backward reduce-scatter ")
@@ -752,9 +752,7 @@ def test_llama_hsdp_rank_is_symmems():
     est = sm.estimate(sm.models.from_hf_config(model.config.to_dict()),
                       sm.Policy("fp32", "adamw", "cpu", "for-loop", attention="eager",
                                 parallel="dp=4,fsdp=hybrid,shard_size=2"))
-    subs = est._subs({"b": 2, "s": 8})
-    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
-                 for ph in ("forward", "backward", "optimizer")}
+    predicted = _predicted(est, b=2, s=8)
     assert predicted == {"forward": 135_804, "backward": 145_708, "optimizer": 75_928}
     less = {"forward": 256, "backward": 256, "optimizer": 384}
     assert [r.step.phase_peaks for r in ranks] == [predicted, {ph: v - less[ph] for ph, v in predicted.items()}] * 2
