@@ -489,7 +489,8 @@ def _report(args, policy: Policy) -> dict:
             raise
         from .symbols import TABLE
         meanings = "; ".join(f"{n}: {TABLE[n].meaning}" for n in e.value if n in TABLE)
-        raise _missing(e.value, f"the formulas of {est.graph.name} use {', '.join(e.value)} ({meanings})") from None
+        raise _missing(e.value, f"the formulas of {est.graph.name} use {', '.join(e.value)} ({meanings})",
+                       args) from None
     point = ev.peak_point
     active = canonical(point.total)
     regions = () if inference or args.format == "latex" else est.regions(**_decoder(args))  # no n_g axis
@@ -767,15 +768,16 @@ SHELL_FLAGS = {"b": "--batch B", "s": "--seq S", "s_d": "--decoder-seq S_D", "d"
                "c": "--cp C", "e": "--ep E", "n_g": "--new-tokens N", "r": "--lora R (a number)"}
 
 
-def _missing(names: list, why: str, settable: bool = False) -> ConfigError:
-    """The library names missing keyword arguments (s=...): say it with the shell's flags
-    (``settable``: the command has ``--set``; otherwise a symbol without a flag is the
-    model's, fixed in its config)."""
+def _missing(names: list, why: str, args, settable: bool = False) -> ConfigError:
+    """The library names missing keyword arguments (s=...): say it with the shell's flags and
+    what ``args`` gave them (``--lora r``: the rank left a symbol); ``settable``: the command
+    has ``--set``, otherwise a symbol without a flag is the model's, fixed in its config."""
     def flag(n):
         return SHELL_FLAGS.get(n) or (f"--set {n}=VALUE" if settable else f"a --config whose values fix {n}")
     flags = [flag(n) for n in names]
     first = flags[0].split()[0] if flags[0].startswith("--") else names[0]
-    return ConfigError(first, None, f"a value: {why}", f"Pass {' and '.join(flags)}.")
+    given = getattr(args, first.lstrip("-").replace("-", "_"), None)
+    return ConfigError(first, given, f"a value: {why}", f"Pass {' and '.join(flags)}.")
 
 
 def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
@@ -789,7 +791,7 @@ def _run_solve(args, symbol: str, direction: str, fixed: dict) -> int:
     except ConfigError as e:
         if e.field != "values" or not isinstance(e.value, list):
             raise
-        raise _missing(e.value, f"solving for {symbol} needs {', '.join(e.value)} fixed",
+        raise _missing(e.value, f"solving for {symbol} needs {', '.join(e.value)} fixed", args,
                        settable=hasattr(args, "set")) from None
     except Infeasible as e:
         if args.format == "json":

@@ -504,7 +504,8 @@ def test_a_symbol_left_free_names_the_flag_the_command_has(capsys):
     for --new-tokens; estimate refuses inference mode (infer's), naming infer."""
     argv = ["--model", "gpt2", "--seq", "128"]
     assert main(["estimate", *argv, "--batch", "2", "--lora", "r"]) == 1
-    assert "the formulas of gpt2 use r (r: LoRA adapter rank). Pass --lora R (a number)." in capsys.readouterr().err
+    assert ("--lora = 'r' is not valid: expected a value: the formulas of gpt2 use r (r: LoRA adapter rank). "
+            "Pass --lora R (a number).") in capsys.readouterr().err
     assert main(["max-batch", *argv, "--mode", "inference", "--gpu", "H100-80GB"]) == 1
     assert "solving for b needs n_g fixed. Pass --new-tokens N." in capsys.readouterr().err
     assert main(["estimate", *argv, "--batch", "2", "--mode", "inference"]) == 1
