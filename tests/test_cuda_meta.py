@@ -51,6 +51,10 @@ MODELS = {
         transformers.MixtralForCausalLM),
 }
 
+#: BERT's masked-LM model, called with token types and labels of its own (as a tokenizer and a
+#: collator hand them)
+BERT = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2, vocab_size=V,
+            max_position_embeddings=32)
 #: ViT: (b, 3, 32, 32) images in 8 x 8 patches, a class token, 10 classes
 VIT = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2, image_size=32,
            patch_size=8, num_labels=10)
@@ -74,6 +78,9 @@ CASES = [
     ("mixtral", "bf16", "eager", "none"),
     ("mixtral_batched_mm", "fp32", "sdpa", "none"),
     ("mixtral_batched_mm", "bf16", "eager", "none"),
+    ("bert", "fp32", "sdpa", "none"),         # mem-efficient
+    ("bert", "bf16", "sdpa", "none"),         # flash
+    ("bert", "fp32", "eager", "none"),
     ("vit", "fp32", "sdpa", "none"),
     ("vit", "bf16", "sdpa", "none"),
     ("vit", "bf16", "eager", "none"),
@@ -84,6 +91,8 @@ CASES = [
 def test_cuda_saved_bytes_equal_pytorch_meta(family, precision, attention, recompute):
     if family == "vit":
         cfg, cls = transformers.ViTConfig(**VIT), transformers.ViTForImageClassification
+    elif family == "bert":
+        cfg, cls = transformers.BertConfig(**BERT), transformers.BertForMaskedLM
     else:
         cfg, cls = MODELS[family]()
     cfg._attn_implementation = "eager" if attention == "eager" else "sdpa"
@@ -107,5 +116,9 @@ def test_cuda_saved_bytes_equal_pytorch_meta(family, precision, attention, recom
         assert est.at(b=B).bytes["activations"] == measured - host
         return
     ids = torch.randint(0, V, (B, S), device="meta")
-    measured = saved_as_cuda_on_meta(model, lambda m: m(ids, labels=ids), kernel)
+    if family == "bert":
+        types, labels = torch.randint(0, 2, (B, S), device="meta"), torch.randint(0, V, (B, S), device="meta")
+        measured = saved_as_cuda_on_meta(model, lambda m: m(ids, token_type_ids=types, labels=labels), kernel)
+    else:
+        measured = saved_as_cuda_on_meta(model, lambda m: m(ids, labels=ids), kernel)
     assert est.at(b=B, s=S).bytes["activations"] == measured - host
