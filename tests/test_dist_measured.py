@@ -718,7 +718,7 @@ def test_llama_fsdp2_reduced_in_bfloat16():
     # 111,308 / 75,928: no reduce-scatter is a maximum here), and so is every unit's chunk_cat
     # moment, now with the bfloat16 input. The cast's moment (the bfloat16 output beside the
     # new float32 shards) is below the measured one by gradients FSDP2 lets go of only after
-    # the reduce (a layer's last norm's, 32 bytes; the root's embedding's, 3,200 less 32): not
+    # the reduce (a layer's last norm's, 32 bytes; the root's embedding's, 99 x 16 x 2 = 3,168): not
     # modelled, and below each phase's maximum.
     import symmem as sm
     ranks = distributed_step(_llama_setup("adamw", "full", mixed=True, reduce=torch.bfloat16), 2)
