@@ -18,8 +18,8 @@ from .errors import ConfigError
 from .graph import Graph
 from .policy import Policy
 from .policy.attention import resolve
-from .bounds import (_sorted, covers, merged_terms, monomials, product, provably_nonneg, prune, prune_terms, sort_key, terms, terms_nonneg,
-                     terms_samples, total)
+from .bounds import (_sorted, covers, merged_terms, monomials, product, provably_nonneg, prune, prune_terms, sort_key,
+                     terms, terms_nonneg, terms_samples, total)
 from .counter import Point, Timeline, count
 from . import exact, passes
 from .lowering import lower

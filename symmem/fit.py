@@ -8,8 +8,8 @@ the layers, 1F1B (Megatron's default schedule); with ``max_cp`` > 1, context par
 ``cp`` = 2, 4, ... ``max_cp`` ranks with ``2 cp | seq`` (torch's ring attention: long
 sequences); the rest data-parallel, ``dp = gpus / (tp * pp * cp)``; DDP, ZeRO 1-3 and FSDP full
 sharding (each of a tensor-parallel rank's own parameters; beside a pipeline DDP and ZeRO-1
-only, as Megatron and DeepSpeed's pipeline engine allow); no recomputation, selective or full; and the largest micro-batch ``b`` dividing
-``global_batch / dp`` whose step fits, with ``k = global_batch / (dp * b)`` micro-batches
+only, as Megatron and DeepSpeed's pipeline engine allow); no recomputation, selective or full;
+and the largest micro-batch ``b`` dividing ``global_batch / dp`` whose step fits, with ``k = global_batch / (dp * b)`` micro-batches
 accumulated (ZeRO 2 and 3 accumulate none: not modelled yet, so ``b = global_batch / dp``
 there; FSDP likewise) or, under a pipeline, run through it (``k >= pp``: fewer micro-batches
 than stages leave stages idle).
@@ -20,8 +20,8 @@ count. Two shortcuts, both exact: a layout whose states (:data:`STATES`, the sam
 batch, never above the peak) exceed the budget is left at its first batch tried, so b = 1's
 own derivation is not made; and one whose states cannot fit even at the best split
 (:func:`_states_floor`, from one rank's states) is not derived at all: for a model of tens of
-billions of parameters, every count of GPUs too small for its states. Accumulating ``k >= 2`` micro-batches peaks as two do (the later micro-batches are
-alike: each runs beside the gradients the first left), so ``accumulate=2`` stands for all; a
+billions of parameters, every count of GPUs too small for its states. Accumulating ``k >= 2``
+micro-batches peaks as two do (the later micro-batches are alike: each runs beside the gradients the first left), so ``accumulate=2`` stands for all; a
 1F1B pipeline with ``k >= pp + 1`` micro-batches peaks as with ``pp + 1`` (the first stage's
 last warm-up forwards run beside the first backward's gradients from ``pp + 1`` on; ``k = pp``
 is derived on its own). Context parallelism is derived with its degree ``c`` a symbol for ``cp``

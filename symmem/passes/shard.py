@@ -108,7 +108,6 @@ import sympy as sp
 
 from . import tensor
 from ..lowering import grad_bytes, weight_bytes
-from ..errors import ConfigError
 from ..graph import Node
 from ..plan import Alloc, Backward, Begin, Compute, End, Free, Key, Mark, Plan
 from ..requirements import Requirement
@@ -120,15 +119,6 @@ ZERO = sp.Integer(0)
 
 
 def prepare(graph, policy):
-    """The graph as it is, after checking that a reduce dtype other than float32 is FSDP's
-    mixed precision's half dtype."""
-    rd = policy.parallel.reduce_dtype
-    half = {"bfloat16": "bf16", "float16": "fp16"}.get(policy.prec.compute)
-    if rd != "fp32" and not (policy.prec.master and not policy.prec.fp8 and rd == half):
-        raise ConfigError("reduce_dtype", rd, "fp32, or the parameters' half dtype under FSDP's mixed precision "
-                          "(bf16 with --precision bf16-master, fp16 with fp16-master)",
-                          f"With --precision {policy.precision} FSDP reduces in the gradients' own dtype: leave "
-                          "--reduce-dtype out.")
     return graph
 
 
@@ -225,7 +215,7 @@ class _Shard:
         self.scattering = None    # FSDP: the reduce-scatter input kept until the next unit reduces
         #: FSDP2's MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32): a half-precision
         #: model with a float32 master copy, sharded by FSDP (``bf16-master``, ``fp16-master``)
-        self.mp = self.fsdp and bool(policy.prec.master) and not policy.prec.fp8
+        self.mp = self.fsdp and policy.fsdp_mixed
         #: ... with reduce_dtype the half dtype: the reduce-scatter in it, its output cast to float32
         self.reduce_half = self.mp and par.reduce_dtype != "fp32"
 

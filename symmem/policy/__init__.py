@@ -177,6 +177,12 @@ class Policy:
                                   f"Leave --{name.replace('_', '-')} out with --mode inference.")
 
     @property
+    def fsdp_mixed(self) -> bool:
+        """Under FSDP, is the precision FSDP2's MixedPrecisionPolicy (a half-precision model with
+        a float32 master copy: bf16-master, fp16-master)? (:mod:`symmem.passes.shard`)"""
+        return bool(self.prec.master) and not self.prec.fp8
+
+    @property
     def quanto_flush(self) -> bool:
         """Whether a quanto cache's decoding step re-quantizes the whole cache."""
         return self.residual_position == self.residual_length - 1
@@ -212,6 +218,12 @@ class Policy:
         if self.mode == "inference":
             raise ConfigError("parallel with --mode inference", str(par), "none",
                               "Data-parallel inference is one model per device: derive one device.")
+        half = {"bfloat16": "bf16", "float16": "fp16"}.get(self.prec.compute)
+        if par.reduce_dtype != "fp32" and not (self.fsdp_mixed and par.reduce_dtype == half):
+            raise ConfigError("reduce_dtype", par.reduce_dtype, "fp32, or the parameters' half dtype under FSDP's "
+                              "mixed precision (bf16 with --precision bf16-master, fp16 with fp16-master)",
+                              f"With --precision {self.precision} FSDP reduces in the gradients' own dtype: leave "
+                              "--reduce-dtype out.")
         if par.stage >= 2 and self.accumulate > 1:
             raise ConfigError("accumulate with sharded gradients", self.accumulate,
                               "1 (accumulation into sharded gradients, ZeRO-2/3 and FSDP, is not modelled yet)",
