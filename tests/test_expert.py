@@ -52,9 +52,11 @@ def test_the_degree_must_divide_the_experts():
      "ep = 2 is not valid: expected 1 for mixtral: it has no mixture of experts (Mixtral's, with the default "
      "experts_implementation grouped_mm) to split."),
     (MIXTRAL, {"tp": 2}, "ep = 2 is not valid: expected 1 beside --tp (expert parallelism with them is not modelled "
-                         "yet). Use --ep alone or beside --dp (DDP)."),
-    (MIXTRAL, {"dp": 8, "fsdp": "full"}, "ep = 2 is not valid: expected 1 with ZeRO, FSDP or offload (transformers "
-                                         "shards each expert over the dp / ep ranks holding a copy of it"),
+                         "yet). Use --ep alone, beside --dp (DDP) or beside --fsdp full|grad-op."),
+    (MIXTRAL, {"dp": 8, "zero": 2}, "ep = 2 is not valid: expected 1 with ZeRO, FSDP's hybrid shard or offload"),
+    (MIXTRAL, {"dp": 8, "fsdp": "hybrid"}, "ep = 2 is not valid: expected 1 with ZeRO, FSDP's hybrid shard or "
+                                           "offload"),
+    (MIXTRAL, {"dp": 8, "fsdp": "full", "offload": "optimizer"}, "Use --ep beside --dp (DDP) or --fsdp full|grad-op."),
 ])
 def test_layouts_not_modelled_are_refused(config, parallel, message):
     with pytest.raises(ConfigError) as err:
@@ -69,3 +71,33 @@ def test_worst_routing_is_e_times_the_rows_and_is_named():
     with pytest.raises(ConfigError) as err:
         sm.Parallel(ep=2, ep_load="skewed")
     assert "ep_load = 'skewed' is not valid: expected one of balanced, worst." in str(err.value)
+
+
+def test_beside_fsdp_each_rank_holds_a_dth_of_every_parameter():
+    # The experts are sharded over the d / e ranks holding the same E / e of them: where every
+    # dim 0 divides, a rank holds 1 / d of every parameter, with or without expert parallelism
+    # (Mixtral 8x7B, d = 8: 46,702,792,704 / 8 = 5,837,849,088 parameters, float32 under bf16-mixed)
+    for e_ in (1, 2, 8):
+        est = sm.estimate("mixtral-8x7b", sm.Policy("bf16-mixed", "adamw", "cuda",
+                                                    parallel=f"dp=8,ep={e_},fsdp=full")).at(b=1, s=4096)
+        assert est.bytes["params"] == 4 * 46_702_792_704 // 8 == 4 * 5_837_849_088
+
+
+def test_beside_fsdp_few_experts_on_many_ranks_are_padded():
+    # FSDP2 shards the experts' (E / e, 2f, h) and (E / e, h, f) weights on dim 0, padded to a
+    # multiple of the d / e ranks: at d = 64, e = 2 a rank holds ceiling(4 / 32) = 1 whole expert
+    # a layer (28 of the 32 rows padding), 3 * 14336 * 4096 = 176,160,768 parameters, 32 layers;
+    # and the router's (8, 4096) over 64 ranks one row of 4096 each (7 / 8 padding); the other
+    # 1,605,636,096 - 32 * 8 * 4096 non-expert parameters divide by 64
+    est = sm.estimate("mixtral-8x7b", sm.Policy("bf16-mixed", "adamw", "cuda",
+                                                parallel="dp=64,ep=2,fsdp=full")).at(b=1, s=4096)
+    router = 32 * 8 * 4096
+    others = (46_702_792_704 - 45_097_156_608 - router) // 64
+    assert est.bytes["params"] == 4 * (32 * 176_160_768 + 32 * 4096 + others) == 4 * 5_662_347_328
+
+
+def test_beside_fsdp_the_degree_must_divide_the_ranks():
+    with pytest.raises(ConfigError) as err:
+        _estimate(4, dp=6, fsdp="full").at(b=2, s=16)
+    assert "is not valid: expected a multiple of 4: the experts are sharded over the d / e ranks holding the same " \
+           "ones" in str(err.value)

@@ -57,7 +57,9 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def _rank(rank, world_size, precision, E, K, optimizer, b, s, routing="balanced"):
+def _rank(rank, world_size, precision, E, K, optimizer, b, s, routing="balanced", ep=None, fsdp=None):
+    """One rank of ``world_size``: expert parallel over all of them, or (``fsdp``: "full" or
+    "grad-op") over ``ep`` of them beside FSDP2 over all, as below."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed import expert_parallel
     from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -75,19 +77,45 @@ def _rank(rank, world_size, precision, E, K, optimizer, b, s, routing="balanced"
         flat.remainder_(E if routing == "balanced" else K)
     for layer in model.model.layers:
         layer.mlp.gate.register_forward_hook(route)
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("ep", "tp"))
+    ep = ep or world_size
+    mesh = init_device_mesh("cpu", (world_size // ep, ep, 1), mesh_dim_names=("efsdp", "ep", "tp"))
     plan = {}
     for i in range(cfg.num_hidden_layers):       # Mixtral's base_model_ep_plan, expanded
         plan |= {f"model.layers.{i}.mlp.experts.gate_up_proj": "grouped_gemm",
                  f"model.layers.{i}.mlp.experts.down_proj": "grouped_gemm",
                  f"model.layers.{i}.mlp.experts": "ep_dispatch_experts"}
     apply_expert_parallelism(model, mesh["ep"], mesh["tp"], plan)
+    if fsdp:
+        _fully_shard(model, mesh, world_size, fsdp == "full", precision == "bf16-master")
     ids = torch.randint(0, 100, (b, s), generator=torch.Generator().manual_seed(rank))
 
     def loss(m):
         with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
             return m(ids, labels=ids).loss
     return RankSetup(model, loss, _optimizer(optimizer, model.parameters()), [ids])
+
+
+def _fully_shard(model, mesh, world_size, reshard, mixed):
+    """transformers' ``apply_fully_sharded_data_parallelism`` beside expert parallelism
+    (``distributed/fsdp.py``), with torchtitan's units: each layer's experts on the ``efsdp``
+    mesh (the ranks holding the same experts: world / ep), their gradients summed and divided
+    by the world size (``set_gradient_divide_factor``, and ``set_force_sum_reduction_for_comms``
+    where efsdp > 1: gloo has no PREMUL_SUM), then each layer and the root on all ranks.
+    ``mixed``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from test_dist_measured import _reproducible_collectives
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
+        else MixedPrecisionPolicy()
+    everyone = mesh["efsdp", "ep"]._flatten("fsdp")
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=mesh["efsdp"], reshard_after_forward=reshard, mp_policy=mp)
+        layer.mlp.experts.set_gradient_divide_factor(float(world_size))
+        if mesh["efsdp"].size() > 1:
+            layer.mlp.experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(layer, mesh=everyone, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=everyone, mp_policy=mp)
+    for module in (*(layer.mlp.experts for layer in model.model.layers), *model.model.layers, model):
+        _reproducible_collectives(module)
 
 
 @pytest.mark.parametrize("precision,ep,E,K,optimizer,b,s", [
@@ -129,3 +157,37 @@ def test_worst_routing_loads_one_rank(precision, ep):
     assert ranks[0].step.phase_peaks == predicted
     for r in ranks[1:]:
         assert all(r.step.phase_peaks[ph] <= predicted[ph] for ph in predicted)
+
+
+@pytest.mark.parametrize("world,ep,fsdp,precision,optimizer,expected", [
+    # efsdp = 2: each expert sharded over the 2 ranks holding it
+    (4, 2, "full", "fp32", "adamw", (475_124, 470_460, 281_592)),
+    (4, 2, "full", "bf16-master", "adamw", (344_308, 357_332, 281_592)),
+    (4, 2, "grad-op", "bf16-master", "sgd", (258_360, 257_600, 124_388)),
+    # efsdp = 1: every rank its own experts whole (no all-gather; the gradients divided into a copy)
+    (2, 2, "full", "fp32", "sgd", (363_776, 430_368, 248_612)),
+])
+def test_expert_parallel_beside_fsdp_is_symmems(world, ep, fsdp, precision, optimizer, expected):
+    """FSDP2 beside transformers' expert parallelism on a two-layer Mixtral (E = 4, K = 2, b 2,
+    s 8, balanced routing): every rank's parameters, gradients and each phase's maximum equal
+    symmem's ``dp=world,ep=ep,fsdp=...``, to the byte. Under MixedPrecisionPolicy the experts'
+    pre-forward casts the float32 routing weights to bfloat16 (the combine then in bfloat16),
+    and at the experts' reduce-scatter output foreach_reduce still holds the down_proj's
+    bfloat16 gradient (its loop variable): the backward maximum of the bf16-master case."""
+    E, K, b, s = 4, 2, 2, 8
+    ranks = distributed_step(lambda r, w: _rank(r, w, precision, E, K, optimizer, b, s, ep=ep, fsdp=fsdp), world,
+                             steps=2, keep_timeline=False)
+    est = sm.estimate(sm.models.from_hf_config(_config(E, K)),
+                      sm.Policy(precision, optimizer, "cpu", "for-loop", parallel=f"dp={world},ep={ep},fsdp={fsdp}"))
+    subs = est._subs({"b": b, "s": s})
+    predicted = {ph: max(int(p.total.xreplace(subs)) for p in est.timeline if p.phase == ph)
+                 for ph in ("forward", "backward", "optimizer")}
+    # Per rank: the non-expert parameters, 6,400 + 32 + 2 * (2,048 + 1,024 + 64 + 128) = 12,960 floats,
+    # over all ranks (every dim 0 divides 4 and 2); the rank's E / ep = 2 experts a layer,
+    # 2 * 3 * 64 * 32 = 12,288 floats, over the world / ep ranks holding them; float32 shards
+    shard = 4 * (12_960 // world + 2 * 12_288 // (world // ep))
+    assert shard == {4: 62_112, 2: 124_224}[world]
+    assert est.at(b=b, s=s).bytes["params"] == shard
+    for r in ranks:
+        assert (r.params, r.grads) == (shard, shard)
+        assert r.step.phase_peaks == predicted == dict(zip(("forward", "backward", "optimizer"), expected))

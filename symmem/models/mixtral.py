@@ -74,14 +74,18 @@ from .registry import Family, Unmodelled, register
 from . import checks
 
 __all__ = ["MixtralConfig", "build_mixtral", "moe_block", "grouped_mm_experts", "batched_mm_experts",
-           "load_balancing_loss", "ep_experts", "EXPERTS", "EXPERTS_IMPLEMENTATIONS", "PRESETS", "HF_IDS",
-           "UNMODELLED", "IGNORED", "FAMILY"]
+           "load_balancing_loss", "ep_experts", "in_ep_experts", "EXPERTS", "EXPERTS_IMPLEMENTATIONS", "PRESETS",
+           "HF_IDS", "UNMODELLED", "IGNORED", "FAMILY"]
 
 #: The nodes of :func:`moe_block` that run the experts (from the sorted pairs to the summed
 #: output): what expert parallelism replaces (:func:`ep_experts`), and the values it reads.
 EXPERTS = ("layers/mlp/experts/", "layers/mlp.experts.")
 EXPERTS_OUT, ROWS, TOP_K_INDEX, TOP_K_WEIGHTS = ("layers/mlp/experts/out", "layers/mlp/rows",
                                                  "layers/mlp/router/top_k_index", "layers/mlp/router/top_k_weights")
+
+#: The prefix of the nodes :func:`ep_experts` adds: with :data:`EXPERTS_OUT`, what the experts
+#: module runs under expert parallelism (its forward, wrapped by transformers' ``ep_forward``).
+EP_EXPERTS = "layers/mlp/ep/"
 
 #: transformers' ``experts_implementation`` values symmem models (None: its default, grouped_mm).
 EXPERTS_IMPLEMENTATIONS = (None, "grouped_mm", "batched_mm")
@@ -234,7 +238,14 @@ def batched_mm_experts(g: Graph, rows: str, index: str, weights: str) -> str:
     return out
 
 
-def ep_experts(g: Graph, ep, worst: bool = False) -> str:
+def in_ep_experts(node: str) -> bool:
+    """Is ``node`` run by the experts module under expert parallelism (:func:`ep_experts`: the
+    dispatch, the experts and the combine, up to the module's output)? FSDP2 makes that module
+    a unit of its own (:mod:`symmem.passes.shard`)."""
+    return node.startswith(EP_EXPERTS) or node == EXPERTS_OUT
+
+
+def ep_experts(g: Graph, ep, worst: bool = False, cast: bool = False) -> str:
     """The experts of :func:`moe_block` under transformers' expert parallelism over ``ep``
     ranks (``distributed/expert_parallel.py``: the ``grouped_gemm`` style keeps ``E / ep``
     experts a rank, ``ep_dispatch_experts`` runs ``AllToAllEP`` in training), reading the
@@ -250,7 +261,10 @@ def ep_experts(g: Graph, ep, worst: bool = False) -> str:
     each projection's output masked into a new tensor. Combine: the R outputs sent back (S, h),
     put in (token, slot) order (``empty_like`` then ``index_put_`` by the order), times the
     routing weights, summed over the K slots. Lifetimes follow the Python locals of
-    ``_dispatch_tokens``, the experts' forward, ``_combine_tokens`` and ``AllToAllEP.__call__``."""
+    ``_dispatch_tokens``, the experts' forward, ``_combine_tokens`` and ``AllToAllEP.__call__``.
+    ``cast``: the module is an FSDP2 unit under ``MixedPrecisionPolicy``, whose pre-forward
+    casts its floating inputs to the parameters' dtype (``cast_forward_inputs``): the float32
+    routing weights are copied (the rows are in it already), and the combine is in it."""
     N, S = b * s, b * s * K
     R, E_r = (ep * S if worst else S), E / ep
 
@@ -258,6 +272,9 @@ def ep_experts(g: Graph, ep, worst: bool = False) -> str:
         return g.add(op, *inputs, name=f"layers/mlp/{name}", **attrs)
 
     rows, index, weights = ROWS, TOP_K_INDEX, TOP_K_WEIGHTS
+    if cast:
+        # FSDP's pre-forward, before the all-gather and outside what its post-backward waits for
+        weights = add("to_param_dtype", weights, name="fsdp_cast/top_k_weights")
     # _dispatch_tokens
     order = add("index_tensor", index, shape=(S,), dtype="int64", temp=8 * S, name="ep/order")
     send_index = add("index_tensor", order, shape=(S,), dtype="int64", name="ep/order_div_k")
@@ -305,7 +322,7 @@ def ep_experts(g: Graph, ep, worst: bool = False) -> str:
     summed = add("sum_topk", scaled, k=K, name="ep/output")
     g.hold(back, until=summed)
     # AllToAllEP.__call__'s locals: the received rows, ids and weights, the experts' output
-    for value in (received, ids, unit, expert_out, order):
+    for value in (received, ids, unit, expert_out, order) + ((weights,) if cast else ()):
         g.hold(value, until=summed)
     return g.add("type_as", summed, rows, name=EXPERTS_OUT)
 

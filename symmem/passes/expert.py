@@ -16,10 +16,19 @@ capacity factor caps them): ``ep_load="balanced"`` (the default; every expert ge
 pairs from each rank) gives ``R = b s K``; ``"worst"`` (every pair of every rank on one rank's
 experts) gives that rank ``R = e b s K``. The degree stays the symbol ``e`` (bound where it is a number);
 the formulas require ``e | E``. Measured on 2 and 4 CPU processes with gloo
-(``tests/test_expert_measured.py``). Refused beside tensor, context or pipeline parallelism
-and beside ZeRO, FSDP or offload (transformers shards an expert over the ``dp / e`` ranks that
-hold a copy of it: not modelled yet), for models without experts, and in inference (the
-policy refuses a parallel layout there).
+(``tests/test_expert_measured.py``).
+
+Beside FSDP (``--fsdp full|grad-op``, ``dp`` the ranks, ``e | d``): transformers'
+``apply_fully_sharded_data_parallelism`` with torchtitan's units makes each layer's experts
+module a unit of its own, sharded over the ``d / e`` ranks holding the same experts (the
+``efsdp`` mesh), and the layers and the root units over all ``d``
+(:mod:`symmem.passes.shard`). Under ``MixedPrecisionPolicy`` the experts' pre-forward casts
+the float32 routing weights to the parameters' dtype (``cast_forward_inputs``; the combine
+then runs in it): ``ep_experts(cast=True)``. Measured on 2 and 4 processes.
+
+Refused beside tensor, context or pipeline parallelism, ZeRO, FSDP's hybrid shard or
+offload, for models without experts, and in inference (the policy refuses a parallel layout
+there).
 """
 from __future__ import annotations
 
@@ -43,11 +52,11 @@ def prepare(graph, policy):
                                     ("--cp", not isinstance(par.cp, int) or par.cp > 1), ("--pp", par.pp > 1)) if on]
     if others:
         raise ConfigError("ep", ep, f"1 beside {', '.join(others)} (expert parallelism with them is not "
-                          "modelled yet)", "Use --ep alone or beside --dp (DDP).")
-    if par.sharded or par.offload != "none":
-        raise ConfigError("ep", ep, "1 with ZeRO, FSDP or offload (transformers shards each expert over the "
-                          "dp / ep ranks holding a copy of it, the other layers over dp: not modelled yet)",
-                          "Use --ep alone or beside --dp (DDP).")
+                          "modelled yet)", "Use --ep alone, beside --dp (DDP) or beside --fsdp full|grad-op.")
+    if (par.sharded and par.fsdp not in ("full", "grad-op")) or par.offload != "none":
+        raise ConfigError("ep", ep, "1 with ZeRO, FSDP's hybrid shard or offload (FSDP full and grad-op shard "
+                          "are modelled beside it: each layer's experts a unit sharded over the dp / ep ranks "
+                          "holding the same experts)", "Use --ep beside --dp (DDP) or --fsdp full|grad-op.")
     bound = graph.bindings.get(E)
     if isinstance(ep, int) and bound is not None and int(bound) % ep:
         raise ConfigError("ep", ep, f"a divisor of the {int(bound)} experts (num_local_experts)",
@@ -55,7 +64,7 @@ def prepare(graph, policy):
 
     def rewrite(node, sub) -> bool:
         if node.name == EXPERTS_OUT:
-            ep_experts(sub, ep, worst=par.ep_load == "worst")
+            ep_experts(sub, ep, worst=par.ep_load == "worst", cast=par.fsdp is not None and policy.fsdp_mixed)
             return True
         return node.name.startswith(EXPERTS)          # the experts' other nodes: removed
 

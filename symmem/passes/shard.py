@@ -85,9 +85,25 @@ What each layout changes, as the libraries allocate it:
   ``bf16`` (or ``fp16``: ``MixedPrecisionPolicy(reduce_dtype=)`` the parameters' dtype, as
   llama-recipes and fms-fsdp set it): the reduce-scatter's input and output in it, the output
   cast to the float32 gradient shards (both beside each other until ``foreach_reduce``
-  returns). Measured: the phases' maxima and each unit's ``chunk_cat`` moment; FSDP2 lets go of
-  a unit's last gradients (a norm's; the root's embedding's) only after the cast, which is
-  not modelled (32 and 3,168 bytes at the cast's moments of a two-layer Llama).
+  returns). Measured: the phases' maxima and each unit's ``chunk_cat`` moment. At the cast
+  ``foreach_reduce``'s loop variable (``for i, (fsdp_param, unsharded_grad) in ...``) still
+  holds the unit's last gradient, that of its module's last registered parameter (a decoder
+  layer's ``post_attention_layernorm``, the root's ``lm_head``): the graph does not record
+  registration order, so this is counted for the experts' unit only (32 and 3,168 bytes at
+  the cast's moments of a two-layer Llama, never a phase's maximum there).
+- **FSDP beside expert parallelism** (``ep``; transformers' FSDP2 with expert parallelism,
+  torchtitan's units): each layer's experts module is a unit nested in the layer's, its
+  parameters (the rank's ``E / e`` experts) sharded and padded over the ``n / e`` ranks that
+  hold the same experts; the rest over ``n``. In forward the layer's all-gather output is let
+  go at the experts' copy-out and the experts' is kept until the next layer's; in backward a
+  layer's pre-backward prefetches its experts, the experts' pre-backward the next layer, and
+  the experts' post-backward (when their inputs' gradients are made) reshards and
+  reduce-scatters them; ``foreach_reduce``'s loop variable keeps the unit's last gradient
+  (``down_proj``'s) until it returns, beside the reduce-scatter output. Where ``dp = ep``
+  (numbers) each rank holds its experts whole: FSDP2's one-rank path gathers nothing (the
+  unsharded parameters are copied from the shards) and divides the gradients into a copy
+  (``reduce_output.copy_(input / factor)``); symbolic degrees require ``2 e <= d``. Measured
+  (``tests/test_expert_measured.py``).
 - **FSDP grad-op** (``reshard_after_forward=False``, SHARD_GRAD_OP): as full, but a unit
   gathered in forward stays whole until its backward has run (all of them at the end of
   forward: ZeRO-2's peak), and nothing is gathered in backward.
@@ -206,11 +222,17 @@ class _Shard:
         shapes = tensor.local_shapes(graph) if par.splits("tp") else {}
         self.local = {p.name: replace(p, shape=shapes[p.name]) for p, _ in graph.params() if p.name in shapes}
         self.params = [(self.local.get(p.name, p), m) for p, m in graph.params()]
+        #: expert parallelism beside FSDP: each layer's experts module a unit of its own (its
+        #: parameters' names), sharded over the n / e ranks holding the same experts
+        self.experts = _expert_params(graph) if self.fsdp and par.splits("ep") else set()
+        self.n_e = self.n / par.ep
         if self.fsdp:     # FSDP2: per-parameter shards, dim 0 padded; gathered and reduced padded
             self.param = {p.name: p for p, _ in self.params}
-            self.units, self.root, *_ = unit_bytes(graph, lambda p: self.n * padded_rows(p, self.n), self.local)
+            self.units, self.root, *_ = unit_bytes(graph, lambda p: self._degree(p.name) * padded_rows(
+                p, self._degree(p.name)), self.local)
         else:
             self.units, self.root, *_ = unit_bytes(graph, local=self.local)
+        self._experts_unit(graph)
         self.bucket = ZERO if self.fsdp else sp.Integer(par.reduce_bucket) * B_g
         self.scattering = None    # FSDP: the reduce-scatter input kept until the next unit reduces
         #: FSDP2's MixedPrecisionPolicy(param_dtype=half, reduce_dtype=float32): a half-precision
@@ -219,17 +241,38 @@ class _Shard:
         #: ... with reduce_dtype the half dtype: the reduce-scatter in it, its output cast to float32
         self.reduce_half = self.mp and par.reduce_dtype != "fp32"
 
+    def _experts_unit(self, graph) -> None:
+        """Each layer's experts as a unit of their own: its bytes gathered (``expert_unit``; the
+        layers' units less them), the blocks holding one, whether every rank holds its experts
+        whole (``dp = ep``: FSDP2's one-rank mesh, no all-gather output), the all-gather output's
+        bytes, and the module's last parameter (gate_up_proj, then down_proj)."""
+        from ..lowering import _param_order
+        xs = [p for p, _ in self.params if p.name in self.experts]
+        self.expert_unit = sp.expand(sum((weight_bytes(p) * self.n_e * padded_rows(p, self.n_e) for p in xs), ZERO))
+        self.expert_blocks = _blocks_with(graph, self.experts) if xs else set()
+        self.units = {k: sp.expand(v - self.expert_unit) if k in self.expert_blocks else v
+                      for k, v in self.units.items()}
+        par = self.par
+        self.whole_experts = bool(xs) and isinstance(par.dp, int) and par.dp == par.ep
+        self.expert_output = ZERO if self.whole_experts else self.expert_unit
+        self.last_expert = ([p.name for p in _param_order(graph.items) if p.name in self.experts] or [None])[-1]
+
     def _master(self, nbytes):
         """``nbytes`` priced in the master dtype (float32) under FSDP's mixed precision: the
         shards, their gradients, the reduce-scatter and the buffers (FSDP casts the
         parameters it gathers, not the buffers) stay in the model's own float32."""
         return nbytes.xreplace({B_w: B_m, B_g: B_m, B_a: B_m}) if self.mp else nbytes
 
+    def _degree(self, name: str):
+        """The ranks parameter ``name`` is sharded over: ``n``, or ``n / e`` for an expert's
+        beside expert parallelism (the ranks holding the same experts)."""
+        return self.n_e if name in self.experts else self.n
+
     def _shard(self, name: str, nbytes):
         """A rank's part of the storage ``nbytes`` of parameter ``name`` (its state, gradient):
         FSDP2's padded rows, else ``/ n``."""
         p = self.param.get(name) if self.fsdp else None
-        return nbytes / self.n if p is None else nbytes * padded_rows(p, self.n)
+        return nbytes / self.n if p is None else nbytes * padded_rows(p, self._degree(name))
 
     # ----- states ---------------------------------------------------------------------------
     def rewrite(self) -> Plan:
@@ -259,7 +302,7 @@ class _Shard:
                 shard[k] = sp.expand(sum((e.count * (e.nbytes if e.key.kind == "step" else
                                                      self._shard(e.key.name, e.nbytes))
                                           for e in plan.states if isinstance(e, Alloc) and e.role == k), ZERO))
-            shard["grads"] = sp.expand(sum((self._master(grad_bytes(p)) * m * padded_rows(p, n)
+            shard["grads"] = sp.expand(sum((self._master(grad_bytes(p)) * m * padded_rows(p, self._degree(p.name))
                                             for p, m in self.params if p.trainable), ZERO))
             master_grads = shard["master"] if master_grads != 0 and not self.mp else ZERO
             if self.mp:
@@ -290,6 +333,13 @@ class _Shard:
         backward = _unbracketed(self._backward(_bracketed(plan.backward, layers), device_grads))
         optimizer = self._optimizer(plan.optimizer)
         requirements = plan.requirements
+        if self.experts:
+            ep = sp.sympify(par.ep)
+            requirements += (Requirement(ep, d, "the experts are sharded over the d / e ranks holding the same ones",
+                                         "divides"),)
+            if not self.whole_experts:     # one rank a set of experts (dp = ep, numbers) is derived apart
+                requirements += (Requirement(2 * ep, d, "the formulas are FSDP2's for the experts sharded over "
+                                             "d / e >= 2 ranks (give dp = ep as numbers for one rank)"),)
         if par.fsdp == "hybrid":       # d ranks in groups of shard_size: the formulas need it to divide
             requirements += (Requirement(sp.Integer(par.shard_size), d,
                                          f"FSDP hybrid shards within groups of shard_size = {par.shard_size} ranks",
@@ -357,8 +407,24 @@ class _Shard:
                Alloc(Key("gathered", "root"), self.root, "params"), Mark("forward", "all-gather root")]
         held = (root, self.root)      # the all-gather output kept outside a block
         prev = ZERO
+        first, last = self._expert_span(events, Compute)
+        e_block, tail = None, {}      # {block: the all-gather output its iteration ends with}
         for i, e in enumerate(events):
+            if i in first:            # the experts' pre-forward: the layer's output let go after its copy-out
+                block, unit, xu, ag = e_block, self.units[e_block], self.expert_unit, self.expert_output
+                out += [Alloc(Key("all-gather output", f"{block}.experts (forward)"), ag, "params"),
+                        *(self._copy_in("forward", f"{block}.experts", xu, n=self.n_e) if ag != 0 else ()),
+                        Alloc(Key("gathered", f"{block}.experts (forward)"), xu, "params"),
+                        Mark("forward", f"all-gather {block}.experts"),
+                        Free(Key("all-gather output", f"{block} (forward)"), unit, "params")]
+                tail[block] = ag
+            if i in last:             # the experts' post-forward: resharded (full shard)
+                out.append(e)
+                if self.gather == "unit":
+                    out.append(Free(Key("gathered", f"{e_block}.experts (forward)"), self.expert_unit, "params"))
+                continue
             if isinstance(e, Begin):
+                e_block = e.block
                 unit = self.units[e.block]
                 if held is not None:
                     out.append(Free(held[0], held[1], "params"))
@@ -377,27 +443,45 @@ class _Shard:
                 # outlived its iteration would be counted once per layer), counted at the next
                 # iteration's copy-out, or held again after the block's last (nothing may come
                 # between two copies of a block)
-                out += [Free(Key("all-gather output", f"{e.block} (forward)"), unit, "params"), e]
+                ends = tail.get(e.block, unit)
+                out += [Free(Key("all-gather output", f"{e.block} (forward)"), ends, "params"), e]
                 nxt = events[i + 1] if i + 1 < len(events) else None
                 if isinstance(nxt, Begin) and nxt.block == e.block:
-                    prev = unit
+                    prev = ends
                 else:
-                    held = (Key("all-gather output", f"{e.block} (held)"), unit)
-                    out.append(Alloc(held[0], unit, "params"))
+                    held = (Key("all-gather output", f"{e.block} (held)"), ends)
+                    out.append(Alloc(held[0], ends, "params"))
                 continue
             out.append(e)
         if held is not None:
             out.append(Free(held[0], held[1], "params"))
         return tuple(out)
 
-    def _copy_in(self, phase: str, block: str, unit, extra=()) -> list:
+    def _expert_span(self, events, kind) -> tuple[set, set]:
+        """The indices of the first and the last event of each iteration's experts module
+        (``Compute`` in forward, ``Backward`` in backward) where it is a unit of its own."""
+        first, last, seen = set(), set(), None
+        if not self.experts:
+            return first, last
+        from ..models.mixtral import in_ep_experts
+        for i, e in enumerate(events):
+            if isinstance(e, kind) and in_ep_experts(e.node):
+                if seen is None:
+                    first.add(i)
+                seen = i
+            elif isinstance(e, End) and seen is not None:
+                last.add(seen)
+                seen = None
+        return first, last
+
+    def _copy_in(self, phase: str, block: str, unit, extra=(), n=None) -> list:
         """Under mixed precision, the moment of a unit's all-gather: its rank's shards are
         first cast into one flat half-precision tensor (``_get_param_all_gather_inputs``'s
         ``flat_foreach_copy_input``), the unit's ``1 / n``, held beside the all-gather output
         until ``foreach_all_gather`` returns; in float32 the shards are sent as they are."""
         if not self.mp:
             return []
-        return [Mark(phase, f"all-gather copy-in {block}", tuple(extra) + (("transient", unit / self.n),))]
+        return [Mark(phase, f"all-gather copy-in {block}", tuple(extra) + (("transient", unit / (n or self.n)),))]
 
     def _backward_fsdp(self, events, device_grads: bool) -> tuple:
         """FSDP2's backward: a unit's all-gather is issued by the pre-backward of the one
@@ -416,7 +500,31 @@ class _Shard:
                                         *self._copy_in("backward", begins[0][0], first)]
             events = events[at:]
         i = 0
-        for e in events:
+        xfirst, xlast = self._expert_span(events, Backward)
+        experts, inside = [], False     # the experts' whole gradients, reduced at their post-backward
+
+        def prefetch(k):    # the all-gather the k-th unit's pre-backward issues: the next unit's
+            if not ahead or k + 1 >= len(begins):
+                return []
+            nxt = begins[k + 1][0]
+            return [Alloc(Key("all-gather output", f"{nxt} (prefetched)"), self.units[nxt], "params"),
+                    *self._copy_in("backward", nxt, self.units[nxt])]
+        for j, e in enumerate(events):
+            inside = inside or j in xfirst
+            if j in xfirst and self.gather == "unit":   # the experts' pre-backward
+                block, xu, ag = current[0], self.expert_unit, self.expert_output
+                own = Key("all-gather output", f"{block}.experts (backward)")
+                if not ahead and ag != 0:
+                    out += [Alloc(own, ag, "params"), *self._copy_in("backward", f"{block}.experts", xu, n=self.n_e)]
+                out += [Alloc(Key("gathered", f"{block}.experts (backward)"), xu, "params"),
+                        Mark("backward", f"all-gather {block}.experts"), Free(own, ag, "params"), *prefetch(i - 1)]
+            if j in xlast:       # the experts' post-backward: resharded, then reduced
+                e, made = _full_grads(e)
+                phase = "backward" if self.gather == "unit" else "forward"
+                out += [e, Free(Key("gathered", f"{current[0]}.experts ({phase})"), self.expert_unit, "params"),
+                        *self._reduce(experts + made, f"{current[0]}.experts", device_grads)]
+                experts, inside = [], False
+                continue
             if isinstance(e, Begin):
                 out.append(e)
                 current = (e.block, e.copy)
@@ -428,10 +536,13 @@ class _Shard:
                     out += [Alloc(Key("gathered", f"{e.block} (backward)"), unit, "params"),
                             Mark("backward", f"all-gather {e.block}"),
                             Free(own, unit, "params")]
-                    if ahead and i + 1 < len(begins):
-                        nxt = begins[i + 1][0]
-                        out += [Alloc(Key("all-gather output", f"{nxt} (prefetched)"), self.units[nxt], "params"),
-                                *self._copy_in("backward", nxt, self.units[nxt])]
+                    if ahead and e.block in self.expert_blocks:     # next in backward: this layer's experts
+                        xu, ag = self.expert_unit, self.expert_output
+                        if ag != 0:
+                            out += [Alloc(Key("all-gather output", f"{e.block}.experts (prefetched)"), ag, "params"),
+                                    *self._copy_in("backward", f"{e.block}.experts", xu, n=self.n_e)]
+                    else:
+                        out += prefetch(i)
                 i += 1
                 continue
             if isinstance(e, End):
@@ -444,7 +555,7 @@ class _Shard:
                 continue
             if isinstance(e, Backward):
                 e, made = _full_grads(e)
-                full.setdefault(current, []).extend(made)
+                (experts if inside else full.setdefault(current, [])).extend(made)
             out.append(e)
         tail = [Free(Key("gathered", "root"), self.root, "params")]
         tail += self._reduce(full.pop(None, []), None, device_grads)
@@ -511,15 +622,28 @@ class _Shard:
             if self.scattering is not None:
                 out.append(Free(self.scattering[0], self.scattering[1], "transient"))
             total = sp.expand(sum(((x.nbytes if self.reduce_half else self._master(x.nbytes))
-                                   * self.n * self._shard(x.key.name, 1) for x in made), ZERO))
+                                   * self._degree(x.key.name) * self._shard(x.key.name, 1) for x in made), ZERO))
             self.scattering = (Key("reduce-scatter input", block or "root"), total)
             out += [Alloc(self.scattering[0], total, "transient"),
                     Mark("backward", f"reduce-scatter {block or 'root'}")]
         out += [Free(Key("full grad", x.key.name, x.key.copy), x.nbytes, "transient") for x in made]
         if device_grads and (self.fsdp or self.stage < 3):     # ZeRO-3's partition exists from the start
             out += [Alloc(x.key, self._shard(x.key.name, self._master(x.nbytes)), "grads") for x in made]
+        experts = self.fsdp and bool(block) and block.endswith(".experts")
+        # foreach_reduce's loop over (parameter, gradient) pairs (world size > 1) leaves its
+        # variable bound to the unit's last gradient until it returns: the experts' down_proj's
+        # (their module's last parameter). Another unit's last parameter is its module's last
+        # registered (a decoder layer's post_attention_layernorm), which the graph does not
+        # record: not counted there (the note at the top of this module)
+        last = [x.nbytes for x in made if x.key.name == self.last_expert] if experts and not self.whole_experts else []
+        if last:
+            out.append(Mark("backward", f"reduce-scatter output {block}", (("transient", last[0]),)))
+        if experts and self.whole_experts:
+            # one rank: ``reduce_output.copy_(reduce_scatter_input / gradient_divide_factor)``
+            out.append(Mark("backward", f"reduce-scatter divide {block}", (("transient", total),)))
         if self.reduce_half and device_grads:     # the half-precision output, cast to the float32 shards
-            out.append(Mark("backward", f"reduce-scatter cast {block or 'root'}", (("transient", total / self.n),)))
+            out.append(Mark("backward", f"reduce-scatter cast {block or 'root'}",
+                            (("transient", total / self._degree(made[0].key.name)), *(("transient", x) for x in last))))
         return out
 
     # ----- the step -------------------------------------------------------------------------
@@ -545,13 +669,15 @@ class _Shard:
 
     def _optimizer_fsdp(self, events) -> tuple:
         """The step on each rank's local shards: the optimizer's temporaries derived again for
-        parameters of ``ceiling(dim0 / n)`` rows (rank 0's, the largest)."""
+        parameters of ``ceiling(dim0 / n)`` rows (rank 0's, the largest; ``n / e`` for the experts'
+        beside expert parallelism)."""
         from ..lowering import _param_order, own_dtype
-        policy, n = self.policy, self.n
+        policy = self.policy
 
         def local(p):
+            k = self._degree(p.name)
             p = self.local.get(p.name, p)
-            return replace(p, shape=(sp.ceiling(p.shape[0] / n), *p.shape[1:])) if p.shape else p
+            return replace(p, shape=(sp.ceiling(p.shape[0] / k), *p.shape[1:])) if p.shape else p
         trained = [(local(p), m) for p, m in self.graph.params() if p.trainable]
         order = [local(p) for p in _param_order(self.graph.items) if p.trainable]
         rebind = own_dtype([p for p, _ in trained])
@@ -612,3 +738,15 @@ def _full_grads(e: Backward) -> tuple:
             x = replace(x, key=Key("full grad", x.key.name, x.key.copy), role="transient")
         inner.append(x)
     return replace(e, events=tuple(inner)), made
+
+
+def _expert_params(graph) -> set:
+    """The names of the parameters the experts module holds under expert parallelism
+    (:func:`symmem.models.mixtral.in_ep_experts`)."""
+    from ..models.mixtral import in_ep_experts
+    return {p.name for n in graph.nodes() if in_ep_experts(n.name) for p in n.params}
+
+
+def _blocks_with(graph, names: set) -> set:
+    """The repeated blocks whose bodies hold any of the parameters ``names``."""
+    return {rep.name for rep in graph.repeats() if names & set(rep.body._params)}
