@@ -9,7 +9,10 @@ the layers, 1F1B (Megatron's default schedule); with ``max_cp`` > 1, context par
 sequences); the rest data-parallel, ``dp = gpus / (tp * pp * cp)``; DDP, ZeRO 1-3 and FSDP full
 sharding (each of a tensor-parallel rank's own parameters; beside a pipeline DDP and ZeRO-1
 only, as Megatron and DeepSpeed's pipeline engine allow); no recomputation, selective or full;
-and the largest micro-batch ``b`` dividing ``global_batch / dp`` whose step fits, with ``k = global_batch / (dp * b)`` micro-batches
+with ``max_ep`` > 1, for a mixture of experts, expert parallelism over ``ep`` = 2, 4, ... ``max_ep``
+ranks dividing its experts and ``dp`` (beside DDP or FSDP full sharding, without tp, pp or cp:
+what :mod:`symmem.passes.expert` models); and the largest micro-batch ``b`` dividing
+``global_batch / dp`` whose step fits, with ``k = global_batch / (dp * b)`` micro-batches
 accumulated (ZeRO 2 and 3 accumulate none: not modelled yet, so ``b = global_batch / dp``
 there; FSDP likewise) or, under a pipeline, run through it (``k >= pp``: fewer micro-batches
 than stages leave stages idle).
@@ -25,7 +28,8 @@ micro-batches peaks as two do (the later micro-batches are alike: each runs besi
 1F1B pipeline with ``k >= pp + 1`` micro-batches peaks as with ``pp + 1`` (the first stage's
 last warm-up forwards run beside the first backward's gradients from ``pp + 1`` on; ``k = pp``
 is derived on its own). Context parallelism is derived with its degree ``c`` a symbol for ``cp``
->= 4 and on its own for ``cp = 2`` (whose ring has one step fewer).
+>= 4 and on its own for ``cp = 2`` (whose ring has one step fewer). Expert parallelism is derived
+for each ``ep`` (and, under FSDP, each ``dp = ep``: every rank its experts whole) on its own.
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ TENSOR = (1, 2, 4, 8)
 STATES = ("params", "buffers", "grads", "master", "optimizer")
 #: What a pipeline allows beside it (:func:`symmem.policy.Policy` refuses ZeRO 2-3 and FSDP).
 _PIPELINE_SHARDINGS = ("ddp", "zero-1")
+#: What expert parallelism allows beside it (:mod:`symmem.passes.expert`).
+_EXPERT_SHARDINGS = ("ddp", "fsdp-full")
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class Layout:
     bytes: dict
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     @property
     def headroom(self) -> int:
@@ -81,10 +88,11 @@ class Layout:
         return _spec({"dp": self.dp, **dict(SHARDINGS).get(self.sharding, {}),
                       **({"tp": self.tp, "sp": True} if self.tp > 1 else {}),
                       **({"pp": self.pp, "microbatches": self.accumulate} if self.pp > 1 else {}),
-                      **({"cp": self.cp} if self.cp > 1 else {})})
+                      **({"cp": self.cp} if self.cp > 1 else {}), **({"ep": self.ep} if self.ep > 1 else {})})
 
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "dp": self.dp, "tp": self.tp, "sp": self.sp, "pp": self.pp, "cp": self.cp,
+                "ep": self.ep,
                 "schedule": "1f1b" if self.pp > 1 else None, "zero": _zero(self.sharding),
                 "fsdp": "full" if self.sharding == "fsdp-full" else None, "recompute": self.recompute,
                 "micro_batch": self.micro_batch, "accumulate": self.accumulate, "parallel": self.parallel,
@@ -97,14 +105,15 @@ def _zero(sharding: str) -> int:
 
 def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mixed",
         optimizer: str = "adamw", device: str = "cuda", max_gpus: int = 64, max_pp: int = 8, max_cp: int = 1,
-        reserve=None, derive=estimate) -> list[Layout]:
+        max_ep: int = 1, reserve=None, derive=estimate) -> list[Layout]:
     """Every layout of the module docstring that fits ``budget`` (minus ``reserve``: symmem's
     10% rule by default), fewest GPUs first, then the lowest peak. ``max_pp``: the most
     pipeline stages tried (1: none); ``max_cp``: the most context-parallel ranks tried (1, the
-    default: none). ``derive(graph, policy)`` makes the estimates (the command line passes the
-    cached one)."""
+    default: none); ``max_ep``: the most expert-parallel ranks tried (1, the default: none;
+    models without experts ignore it). ``derive(graph, policy)`` makes the estimates (the
+    command line passes the cached one)."""
     for name, v in (("seq", seq), ("global batch", global_batch), ("max gpus", max_gpus), ("max pp", max_pp),
-                    ("max cp", max_cp)):
+                    ("max cp", max_cp), ("max ep", max_ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(name, v, "a positive integer")
     bud = as_budget(budget, reserve)
@@ -113,14 +122,15 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
 
     def est(kind: tuple) -> Estimate | None:
         """The estimate of a kind of layout (tp > 1, sharding, recompute, accumulate, one
-        data-parallel rank, pp, micro-batches, cp: 1, 2 or "c"); None where the model refuses it
-        (the stages do not divide its layers; its attention does not run as a ring)."""
+        data-parallel rank, pp, micro-batches, cp: 1, 2 or "c", ep, dp where it is a number
+        (FSDP with dp = ep) else "d"); None where the model refuses it (the stages do not divide
+        its layers; its attention does not run as a ring)."""
         if kind not in kinds:       # one data-parallel rank: no DDP buckets, nothing sharded
-            tp, sharding, recompute, accumulate, one_rank, pp, m, cp = kind
-            data = {} if one_rank else {"dp": "d", **dict(SHARDINGS)[sharding]}
+            tp, sharding, recompute, accumulate, one_rank, pp, m, cp, ep, dp = kind
+            data = {} if one_rank else {"dp": dp, **dict(SHARDINGS)[sharding]}
             par = {**data, **({"tp": "t", "sp": True} if tp else {}),
                    **({"pp": pp, "microbatches": m} if pp > 1 else {}),
-                   **({"cp": cp} if cp != 1 else {})} or {"dp": 1}
+                   **({"cp": cp} if cp != 1 else {}), **({"ep": ep} if ep > 1 else {})} or {"dp": 1}
             try:
                 kinds[kind] = derive(graph, Policy(precision, optimizer, device, recompute=recompute,
                                                    accumulate=accumulate, parallel=_spec(par)))
@@ -136,11 +146,12 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
         """A lower bound of the most loaded rank's states (:func:`_states_floor`), from one
         rank's whole states (the plain layout's, derived first anyway)."""
         if not whole and STATES:
-            ev = est((False, "ddp", "none", 1, True, 1, 1, 1)).at(b=2, s=seq)
+            ev = est((False, "ddp", "none", 1, True, 1, 1, 1, 1, "d")).at(b=2, s=seq)
             whole.update({c: ev.bytes.get(c, 0) for c in STATES})
         return _states_floor(whole, dp, tp * pp, sharding)
 
     contexts = [x for x in counts if x == 1 or (x <= max_cp and seq % (2 * x) == 0)]
+    experts = _experts(graph)
     out = []
     for gpus in counts:
         for cp in (x for x in contexts if gpus % x == 0):
@@ -149,17 +160,30 @@ def fit(graph, budget, seq: int, global_batch: int, *, precision: str = "bf16-mi
                     dp = gpus // (tp * pp * cp)
                     if global_batch % dp:
                         continue
-                    for sharding, fields in SHARDINGS:
-                        if (dp == 1 and fields) or (pp > 1 and sharding not in _PIPELINE_SHARDINGS):
-                            continue            # sharding one rank; ZeRO 2-3 beside a pipeline
-                        if floor(dp, tp, pp, sharding) > bud.usable:
-                            continue            # the states alone do not fit: nothing derived
-                        for recompute in RECOMPUTE:
-                            layout = _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding,
-                                                    recompute)
-                            if layout is not None:
-                                out.append(layout)
+                    alone = tp == pp == cp == 1         # what expert parallelism is modelled beside
+                    for ep in (x for x in counts if x == 1 or (alone and x <= max_ep and experts % x == 0
+                                                                and dp % x == 0)):
+                        for sharding, fields in SHARDINGS:
+                            if ((dp == 1 and fields) or (pp > 1 and sharding not in _PIPELINE_SHARDINGS)
+                                    or (ep > 1 and sharding not in _EXPERT_SHARDINGS)):
+                                continue    # sharding one rank; ZeRO 2-3 beside a pipeline; ZeRO beside ep
+                            if floor(dp, tp, pp, sharding) // (ep if sharding == "ddp" else 1) > bud.usable:
+                                continue            # the states alone do not fit: nothing derived
+                            for recompute in RECOMPUTE:
+                                layout = _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp,
+                                                        sharding, recompute, ep)
+                                if layout is not None:
+                                    out.append(layout)
     return sorted(out, key=lambda x: (x.gpus, x.peak))
+
+
+def _experts(graph) -> int:
+    """The experts expert parallelism can split (a mixture of experts with grouped_mm's
+    experts: :mod:`symmem.passes.expert`), else 0."""
+    from .models.mixtral import EXPERTS_OUT
+    from .symbols import E
+    bound = graph.bindings.get(E)
+    return int(bound) if bound is not None and any(n.name == EXPERTS_OUT for n in graph.nodes()) else 0
 
 
 def _spec(fields: dict) -> str:
@@ -180,7 +204,7 @@ def _states_floor(whole: dict, dp: int, n: int, sharding: str) -> int:
     return (p + g + rest - shard + shard // dp) // n
 
 
-def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding, recompute) -> Layout | None:
+def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding, recompute, ep=1) -> Layout | None:
     """The largest micro-batch dividing ``global_batch / dp`` that fits (None if none does)."""
     per_rank = global_batch // dp
     no_accumulation = sharding in ("zero-2", "zero-3", "fsdp-full")
@@ -189,14 +213,16 @@ def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding, 
         if (k > 1 and no_accumulation) or k < pp:
             continue
         ring = cp if cp <= 2 else "c"         # c >= 4 from one derivation; c = 2 on its own
+        whole = ep > 1 and ep == dp and sharding == "fsdp-full"    # each rank its experts whole: its own
+        ranks = dp if whole else "d"
         if pp > 1:      # k micro-batches through the pipeline; pp + 1 stands for more
-            kind = (tp > 1, sharding, recompute, 1, dp == 1, pp, min(k, pp + 1), ring)
+            kind = (tp > 1, sharding, recompute, 1, dp == 1, pp, min(k, pp + 1), ring, ep, ranks)
         else:
-            kind = (tp > 1, sharding, recompute, 1 if k == 1 else 2, dp == 1, 1, 1, ring)
+            kind = (tp > 1, sharding, recompute, 1 if k == 1 else 2, dp == 1, 1, 1, ring, ep, ranks)
         e = est(kind)
         if e is None:
             return None
-        values = {"b": b, "s": seq, **({"d": dp} if dp > 1 else {}), **({"t": tp} if tp > 1 else {}),
+        values = {"b": b, "s": seq, **({"d": dp} if dp > 1 and not whole else {}), **({"t": tp} if tp > 1 else {}),
                   **({"c": cp} if ring == "c" else {})}
         try:
             ev = e.at(**values)
@@ -205,20 +231,23 @@ def _largest_batch(est, bud, seq, global_batch, gpus, dp, tp, pp, cp, sharding, 
         if ev.peak <= bud.usable:
             name = "none" if dp == 1 else sharding
             return Layout(gpus, dp, tp, tp > 1, name, recompute, b, k, ev.peak, bud.usable, dict(ev.bytes), pp=pp,
-                          cp=cp)
+                          cp=cp, ep=ep)
         if sum(ev.bytes.get(c, 0) for c in STATES) > bud.usable:
             return None         # the states alone do not fit: no batch does (nor b = 1's own derivation)
     return None
 
 
 def table(layouts: list[Layout]) -> str:
-    """The layouts as the command line prints them (a ``cp`` column where one has cp > 1)."""
-    ring = any(x.cp > 1 for x in layouts)
+    """The layouts as the command line prints them (a ``cp`` or ``ep`` column where one has
+    cp or ep > 1)."""
+    ring, experts = any(x.cp > 1 for x in layouts), any(x.ep > 1 for x in layouts)
     head = (f"{'gpus':>5} {'dp':>4} {'tp':>3} {'pp':>3}" + (f" {'cp':>3}" if ring else "")
+            + (f" {'ep':>3}" if experts else "")
             + f"  {'sharding':<10} {'recompute':<10} {'b':>4} {'k':>4}  {'peak':>11}  {'headroom':>11}")
     rows = [head]
     for x in layouts:
         rows.append(f"{x.gpus:>5} {x.dp:>4} {x.tp:>3} {x.pp:>3}" + (f" {x.cp:>3}" if ring else "")
+                    + (f" {x.ep:>3}" if experts else "")
                     + f"  {x.sharding:<10} {x.recompute:<10} {x.micro_batch:>4} {x.accumulate:>4}"
                     f"  {format_bytes(x.peak):>11}  {format_bytes(x.headroom):>11}")
     return "\n".join(rows)

@@ -112,6 +112,32 @@ def test_context_parallel_layouts_are_their_estimates():
             assert own.at(b=x.micro_batch, s=4096).peak == x.peak <= x.usable
 
 
+def test_expert_parallel_layouts_are_their_estimates():
+    # a two-layer Mixtral (8 experts) at s = 256, 4 sequences a step, on 40 MiB - 10%, up to 2
+    # GPUs: with --max-ep 2 the search adds ep = 2 beside DDP and beside FSDP (dp = ep = 2: each
+    # rank its 4 experts whole, derived with dp a number); each such layout is its own derivation
+    from test_expert import MIXTRAL
+    g = sm.models.from_hf_config(MIXTRAL)
+    layouts = fit(g, budget(bytes="40MiB"), 256, 4, max_gpus=2, max_pp=1, max_ep=2)
+    assert {(x.ep, x.sharding) for x in layouts if x.ep > 1} == {(2, "ddp"), (2, "fsdp-full")}
+    for x in layouts:
+        if x.ep > 1:
+            assert "ep=2" in x.parallel and x.as_dict()["ep"] == 2 and x.gpus == x.dp == 2
+            own = sm.estimate(g, sm.Policy("bf16-mixed", "adamw", "cuda", recompute=x.recompute,
+                                           parallel=x.parallel))
+            assert own.at(b=x.micro_batch, s=256).peak == x.peak <= x.usable
+
+    # the states floor fit skips an expert-parallel layout by (over ep beside DDP, over dp beside
+    # FSDP) is at most the rank's states
+    from symmem.fit import STATES, _states_floor
+    one = sm.estimate(g, sm.Policy("bf16-mixed", "adamw", "cuda")).at(b=2, s=256)
+    whole = {c: one.bytes.get(c, 0) for c in STATES}
+    for parallel, sharding, ep in (("dp=4,ep=2", "ddp", 2), ("dp=4,ep=4", "ddp", 4),
+                                   ("dp=4,ep=2,fsdp=full", "fsdp-full", 1)):
+        states = sm.estimate(g, sm.Policy("bf16-mixed", "adamw", "cuda", parallel=parallel)).at(b=2, s=256).bytes
+        assert _states_floor(whole, 4, 1, sharding) // ep <= sum(states.get(c, 0) for c in STATES), parallel
+
+
 @pytest.mark.parametrize("parallel", ["dp=4", "dp=4,zero=2", "dp=4,zero=3,offload=optimizer", "dp=4,fsdp=full",
                                       "dp=2,tp=2,sp=true", "pp=2,microbatches=4"])
 @pytest.mark.parametrize("precision,recompute", [("bf16-mixed", "none"), ("fp32", "full"), ("bf16", "selective")])
