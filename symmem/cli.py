@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every layout symmem models that trains the model on the GPU (or budget)\n"
                     "at --seq and --global-batch: GPU counts 1, 2, 4, ... --max-gpus; tensor\n"
                     "parallelism with sequence parallelism (tp 1-8), 1F1B pipelines of 2, 4, ...\n"
-                    "--max-pp stages, context parallelism over 2, 4, ... --max-cp ranks, expert\n"
+                    "--max-pp stages (interleaved over 2, 4, ... --max-v chunks a rank), context parallelism over 2, 4, ... --max-cp ranks, expert\n"
                     "parallelism over 2, 4, ... --max-ep ranks, DDP, ZeRO\n"
                     "1-3 or FSDP over the rest; no, selective or full\n"
                     "recomputation; the largest micro-batch that fits, the rest accumulated (or run\n"
@@ -329,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--max-cp", type=positive_int, default=1, metavar="C",
                     help="the most context-parallel ranks to try (2, 4, ... with 2C | seq: torch's ring "
                          "attention for long sequences); 1: none (default: %(default)s)")
+    ft.add_argument("--max-v", type=positive_int, default=1, metavar="V",
+                    help="the most chunks a rank of an interleaved pipeline to try (2, 4, ...: Megatron's "
+                         "virtual stages); 1: 1F1B only (default: %(default)s)")
     ft.add_argument("--max-ep", type=positive_int, default=1, metavar="E",
                     help="the most expert-parallel ranks to try (2, 4, ... dividing the experts and dp, "
                          "beside DDP or FSDP full shard); 1: none (default: %(default)s)")
@@ -347,7 +350,7 @@ def cmd_fit(args) -> int:
     bud = make_budget(gpu=args.gpu, bytes=args.budget, reserve=args.reserve)
     layouts = fit(graph, bud, args.seq, args.global_batch, precision=args.precision, optimizer=args.optimizer,
                   device=args.device, max_gpus=args.max_gpus, max_pp=args.max_pp, max_cp=args.max_cp,
-                  max_ep=args.max_ep, derive=cached_estimate)
+                  max_ep=args.max_ep, max_v=args.max_v, derive=cached_estimate)
     if args.format == "json":
         print(json.dumps({"model": graph.name, "budget": bud.label, "usable": bud.usable, "seq": args.seq,
                           "global_batch": args.global_batch, "layouts": [x.as_dict() for x in layouts]},

@@ -6,7 +6,7 @@ import pytest
 import symmem as sm
 from symmem.cli import main
 from symmem.errors import ConfigError
-from symmem.fit import fit
+from symmem.fit import fit, table
 from symmem.gpus import budget
 
 
@@ -71,6 +71,38 @@ def test_pipeline_micro_batches_past_stages_plus_one_peak_alike():
     two, three = peaks(2), peaks(3)
     assert three == peaks(5) == peaks(8)
     assert two[0] < three[0] and two[1] == three[1]
+
+
+def test_interleaved_micro_batches_past_twice_the_stages_peak_alike():
+    # fit derives an interleaved pipeline of p stages, v chunks a rank, at m = 2p for every
+    # multiple m >= 2p: the first rank's 2 (p - 1) + (v - 1) p warm-up chunk forwards leave two
+    # steady ones from m v >= (v + 1) p on, which m = 2p reaches for any v; at m = p they do not
+    graph = sm.models.from_hf_config({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                      "num_attention_heads": 4, "num_hidden_layers": 8, "vocab_size": 100})
+
+    def peaks(p, v, m):
+        est = sm.estimate(graph, sm.Policy("bf16-mixed", "adamw", "cuda", parallel=f"pp={p},microbatches={m},"
+                                           f"schedule=interleaved,virtual_stages={v}"))
+        return [rank.at(b=2, s=16).peak for rank in est.ranks]
+    for p, v in ((2, 2), (2, 4), (4, 2)):
+        once, twice = peaks(p, v, p), peaks(p, v, 2 * p)
+        assert twice == peaks(p, v, 3 * p), (p, v)
+        assert once[0] < twice[0], (p, v)
+
+
+def test_interleaved_layouts_are_their_estimates(gpt2_layouts):
+    # with --max-v 2 the search adds GPT-2's interleaved pipelines (pp = 2: 12 layers in 4 chunks
+    # of 3), micro-batch counts multiples of pp; each is its own derivation at its own count
+    layouts = fit(sm.models.preset("gpt2"), budget(bytes="16GiB"), 1024, 64, max_gpus=2, max_pp=2, max_v=2)
+    chunked = [x for x in layouts if x.v > 1]
+    assert chunked and {(x.pp, x.v) for x in chunked} == {(2, 2)}
+    assert [x for x in layouts if x.v == 1] == gpt2_layouts
+    for x in chunked:
+        assert x.accumulate % x.pp == 0 and "schedule=interleaved,virtual_stages=2" in x.parallel
+        assert x.as_dict()["schedule"] == "interleaved" and x.as_dict()["virtual_stages"] == 2
+        ev = sm.estimate(sm.models.preset("gpt2"), _policy(x, x.micro_batch)).at(b=x.micro_batch, s=1024)
+        assert ev.peak == x.peak <= x.usable     # 2 pp stood for k >= 2 pp
+    assert " v " in table(layouts).splitlines()[0]
 
 
 def test_cli_json_and_table(capsys):
