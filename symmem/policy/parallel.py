@@ -337,6 +337,8 @@ class Parallel:
             out = f"FSDP {self.fsdp} over dp = {self.dp}"
             if self.fsdp == "hybrid":
                 out += f" (sharded within groups of {self.shard_size} ranks)"
+            if not _is_one(self.ep):
+                out += " (each layer's experts a unit, over the dp / ep ranks holding them)"
             if self.reduce_dtype != "fp32":
                 out += f", gradients reduced in {self.reduce_dtype}"
         elif self.zero:
