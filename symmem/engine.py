@@ -87,7 +87,25 @@ def _collect(d: dict) -> sp.Expr:
             rest.append(term)
         else:
             groups.setdefault(power, []).append(term)
-    return total([_times(key, total(terms)) for key, terms in groups.items()] + rest)
+    return total([_factored(power, terms) for power, terms in groups.items()] + rest)
+
+
+_FACTORED: dict = {}
+
+
+def _factored(power, terms: list) -> sp.Expr:
+    """``power`` times the sum of ``terms`` (products of :func:`_grouped`, no two alike), as
+    :func:`_collect` puts it, kept per (power, set of terms): the candidates of a step share
+    most of their groups (an encoder's and a decoder's weights times ``L``), and a group
+    built once is one object, so that sorting and hashing it again (``Basic.compare``'s keys,
+    the cache's lookups) meets the same object instead of comparing equal trees."""
+    key = (power, frozenset(terms))
+    hit = _FACTORED.get(key)
+    if hit is None:
+        hit = _times(power, total(terms))
+        if len(_FACTORED) < 1 << 16:
+            _FACTORED[key] = hit
+    return hit
 
 
 _GROUPED: dict = {}

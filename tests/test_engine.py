@@ -34,6 +34,22 @@ def test_monomials_read_polynomials_and_refuse_the_rest():
     assert not provably_nonneg((L - 2) / L)
 
 
+
+def test_dominance_table_equals_comparing_every_pair():
+    """The pruning's table of which row is >= which (ranks, bit sets) decides every pair as
+    comparing their entries does: ties, repeated rows and columns, constant ones, none."""
+    from symmem.bounds import _dominance
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n, width = int(rng.integers(1, 30)), int(rng.integers(0, 10))
+        table = rng.integers(-3, 4, size=(n, width)).astype(float)
+        if n > 2 and trial % 3 == 0:
+            table[1] = table[0]
+        if width > 1 and trial % 5 == 0:
+            table[:, 1] = 7 * table[:, 0]
+        every = np.array([[bool((table[j] >= table[i]).all()) for i in range(n)] for j in range(n)])
+        assert (_dominance(table) == every.reshape(n, n)).all(), table
+
 def test_peak_is_max_of_undominated_points(est):
     peak = est.peak
     assert isinstance(peak, sp.Max)
