@@ -28,8 +28,8 @@ from functools import cached_property
 
 import sympy as sp
 
-from .bounds import (covers, from_terms, merged_terms, provably_nonneg, samples, substitute, sum_of, terms,
-                     terms_nonneg, terms_samples, times_terms)
+from .bounds import (covers, from_terms, merged_terms, provably_nonneg, sampler, samples, substitute, sum_of,
+                     terms, terms_nonneg, times_terms)
 from .requirements import Requirement
 from .plan import (AUTOGRAD, CHECKPOINT, ROLES, Alloc, Begin, Compute, End, Free, Mark, Plan,
                    Release, flat)
@@ -292,6 +292,17 @@ class _Sum:
         return _Sum(d)
 
 
+def _last_run(p: Point, sums: dict, k, delta: dict, changed: list, label: str) -> Point:
+    """The point ``p`` of a segment's first run, ``sums`` its roles' bytes (:class:`_Sum`), at
+    the segment's last run: each role's bytes plus ``k`` times the role's change per
+    iteration ``delta``. A role that does not change (``changed`` lists those that do) keeps
+    its sum and its expression as they are."""
+    sums = dict(sums)
+    for r in changed:
+        sums[r] = sums[r].affine(k, delta[r])
+    return Point(p.phase, p.node, tuple((r, sums[r].expr()) for r in ROLES), label, p.micro, summed=_summed(sums))
+
+
 def _summed(sums: dict) -> dict | None:
     """The terms of the sum of the roles' :class:`_Sum` ``sums`` (None where one has a part
     that is not a sum of products): a point's total, as :func:`~symmem.bounds.merged_terms`
@@ -369,7 +380,10 @@ class _Walk:
                     acc[role] = acc[role].copy()
                     acc[role].add(e)
             point = Point(phase, node, tuple((r, acc[r].expr()) for r in ROLES), label, micro, summed=_summed(acc))
-            (self.points if out is None else out).append(point)
+            if out is None:
+                self.points.append(point)
+            else:                # a segment's point, with its roles' sums as they are now
+                out.append((point, {r: acc[r].copy() for r in ROLES}))
         elif kind == "end of forward":
             self.saved_at_end_of_forward = self.saved.expr()
 
@@ -415,23 +429,22 @@ class _Walk:
     def _segment(self, body, m, first_label, last_label):
         start = {r: self.live[r].copy() for r in ROLES}
         start_saved = self.saved.copy()
-        pts: list[Point] = []
+        pts: list = []           # (point, its roles' sums)
         for op in body:
             self._apply(op, first_label, pts)
         delta = {r: self.live[r].minus(start[r]) for r in ROLES}
         d_saved = self.saved.minus(start_saved)
         if m == 1:
-            cands = [(p, "first run") for p in pts]
+            cands = [(p, "first run") for p, _ in pts]
         else:
             grows, shrinks = _grows_shrinks(list(delta.values()))
+            changed = [r for r in ROLES if delta[r].d or delta[r].rest is not ZERO]
             cands = []
-            for p in pts:        # the first run's point, then the last run's, node by node
+            for p, sums in pts:  # the first run's point, then the last run's, node by node
                 if not grows:    # the first run can be the larger
                     cands.append((p, "first run"))
                 if not shrinks or grows:
-                    sums = {r: _Sum.of(e).affine(m - 1, delta[r]) for r, e in p.parts}
-                    last = tuple((r, sums[r].expr()) for r, _ in p.parts)
-                    cands.append((Point(p.phase, p.node, last, last_label, p.micro, summed=_summed(sums)), "last run"))
+                    cands.append((_last_run(p, sums, m - 1, delta, changed, last_label), "last run"))
         self.points.extend(p for p, _ in cands)
         self.live = {r: start[r].affine(m, delta[r]) for r in ROLES}
         self.saved = start_saved.affine(m, d_saved)
@@ -525,7 +538,12 @@ def _harmless_terms(x, slope, shift, c: int, walked, mine, every: dict) -> bool 
     :func:`~symmem.bounds.terms` in ``every`` (by ``id``). The count is ``k`` at ``x = (k -
     shift) / slope``: below 1, the count cannot be so small (False: required); not whole,
     ``x`` (a whole number) never makes it ``k``. None when an atom of a point (a ceiling)
-    holds ``x``: no shortcut then."""
+    holds ``x``: no shortcut then.
+
+    The points are sampled with ``x`` at its value, each when a comparison first needs it,
+    and a pair's difference substituted only where the samples allow it to be >= 0: the
+    first point that bounds one of the segment's (most often the same node's) ends its
+    search, where substituting and sampling every point first cost most of T5's check."""
     for k in range(1, c + 1):
         root = (k - shift) / slope
         if root < 1:
@@ -534,20 +552,37 @@ def _harmless_terms(x, slope, shift, c: int, walked, mine, every: dict) -> bool 
             continue
         at = {x: root}
         real = [p for mm, cs in walked if sp.sympify(mm).xreplace(at) >= 1 for p, _ in cs]
-        value = {}
-        for p in real + mine:
-            d = substitute(every[id(p)], x, int(root))
-            if d is None:            # an atom holds the count: no shortcut
-                return None
-            value[id(p)] = d
-        sample = dict(zip(map(id, real + mine), terms_samples([value[id(p)] for p in real + mine])))
+        keys = set().union(*(every[id(p)].keys() for p in real + mine))
+        if any(_holds(key, x) for key in keys):     # an atom holds the count: no shortcut
+            return None
+        bases = {base for key in keys for base, _ in key}
+        sample = _memo(sampler(sorted(set().union(*(base.free_symbols for base in bases)) - {x}, key=str),
+                               {x: int(root)}), every)
         for p in mine:
             same = [q for q in real if q.phase == p.phase and q.node == p.node]
             others = [q for q in real if q.phase == p.phase and q not in same]
-            tries = [q for q in same + others if covers(sample[id(q)], sample[id(p)])]
-            if not any(terms_nonneg(_minus(value[id(q)], value[id(p)])) for q in tries):
+            if not any(covers(sample(q), sample(p))
+                       and terms_nonneg(substitute(_minus(every[id(q)], every[id(p)]), x, int(root)))
+                       for q in same + others):
                 return False
     return True
+
+
+def _holds(key: frozenset, x) -> bool:
+    """Does an atom of the product ``key`` (a ceiling) hold the symbol ``x``?"""
+    return any(not base.is_Symbol and x in base.free_symbols for base, _ in key)
+
+
+def _memo(sample, every: dict):
+    """``sample`` of a point's terms (``every``, by ``id``), computed once per point."""
+    done: dict = {}
+
+    def of(p) -> tuple:
+        hit = done.get(id(p))
+        if hit is None:
+            hit = done[id(p)] = sample(every[id(p)])
+        return hit
+    return of
 
 
 def _grows_shrinks(parts: list) -> tuple[bool, bool]:
