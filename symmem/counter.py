@@ -40,12 +40,42 @@ ZERO = sp.Integer(0)
 INF = float("inf")
 
 
+class _Pending:
+    """A point's parts as the counter's sums of each role (:class:`_Sum`), their expressions
+    not built yet."""
+    __slots__ = ("sums",)
+
+    def __init__(self, sums: dict):
+        self.sums = sums
+
+    def build(self) -> tuple:
+        return tuple((r, self.sums[r].expr()) for r in ROLES)
+
+
+class _Parts:
+    """:attr:`Point.parts`, built when first read where the counter gave them as sums
+    (:class:`_Pending`): the peak needs each point's total only, as terms
+    (:attr:`Point.terms`), and most points are pruned, so that building every role's sympy sum
+    at every point (a third of T5's counting) is left to those who read them."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            raise AttributeError("parts")       # no default: a point is made with its parts
+        parts = obj.__dict__["_parts"]
+        if isinstance(parts, _Pending):
+            parts = obj.__dict__["_parts"] = parts.build()
+        return parts
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__["_parts"] = value
+
+
 @dataclass(frozen=True)
 class Point:
     """Live memory at one moment of the step: bytes per role, and where it is."""
     phase: str            # "forward" | "backward" | "optimizer"
     node: str             # the node running (or the parameter being updated)
-    parts: tuple          # ((role, bytes expr), ...) in ROLES order
+    parts: tuple = _Parts()   # ((role, bytes expr), ...) in ROLES order
     iteration: str = ""   # "first", "second", "second to last", "last" inside a repeated block
     micro: str = ""       # the micro-batch, under gradient accumulation
     rank: str = ""        # the pipeline stage, under pipeline parallelism
@@ -67,6 +97,7 @@ class Point:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("total", None)
+        state["_parts"] = self.parts        # built, if the counter left them pending
         return state
 
     @property
@@ -300,7 +331,7 @@ def _last_run(p: Point, sums: dict, k, delta: dict, changed: list, label: str) -
     sums = dict(sums)
     for r in changed:
         sums[r] = sums[r].affine(k, delta[r])
-    return Point(p.phase, p.node, tuple((r, sums[r].expr()) for r in ROLES), label, p.micro, summed=_summed(sums))
+    return Point(p.phase, p.node, _Pending(sums), label, p.micro, summed=_summed(sums))
 
 
 def _summed(sums: dict) -> dict | None:
@@ -346,6 +377,7 @@ def _merge(d: dict, other: dict, sign: int) -> None:
 class _Walk:
     def __init__(self):
         self.live = {r: _Sum() for r in ROLES}
+        self.frozen: dict = {}     # role -> a copy of its live sum, while the sum stays as it is
         self.saved = _Sum()
         self.points: list[Point] = []
         self.requirements: list = []
@@ -367,25 +399,35 @@ class _Walk:
         if kind == "alloc":
             _, nbytes, role, cnt, saved = op
             self.live[role].add(_allocation(nbytes, cnt))
+            self.frozen.pop(role, None)
             if saved is not ZERO:
                 self.saved.add(saved)
         elif kind == "free":
             _, nbytes, role, cnt = op
             self.live[role].add(_allocation(nbytes, cnt), -1)
+            self.frozen.pop(role, None)
         elif kind == "mark":
             _, phase, node, extra, _, micro = op
-            acc = {r: self.live[r] for r in ROLES}
+            acc = {r: self._frozen(r) for r in ROLES}
             for role, e in extra:
                 if e is not ZERO and e != 0:
                     acc[role] = acc[role].copy()
                     acc[role].add(e)
-            point = Point(phase, node, tuple((r, acc[r].expr()) for r in ROLES), label, micro, summed=_summed(acc))
+            point = Point(phase, node, _Pending(acc), label, micro, summed=_summed(acc))
             if out is None:
                 self.points.append(point)
-            else:                # a segment's point, with its roles' sums as they are now
-                out.append((point, {r: acc[r].copy() for r in ROLES}))
+            else:                # a segment's point, with its roles' sums
+                out.append((point, acc))
         elif kind == "end of forward":
             self.saved_at_end_of_forward = self.saved.expr()
+
+    def _frozen(self, role: str) -> "_Sum":
+        """A copy of the role's live sum that nothing changes: one per change of the role, shared
+        by the points until then (and so is its expression, built once when asked)."""
+        snap = self.frozen.get(role)
+        if snap is None:
+            snap = self.frozen[role] = self.live[role].copy()
+        return snap
 
     @staticmethod
     def _occurrence(ops, i):
@@ -447,6 +489,7 @@ class _Walk:
                     cands.append((_last_run(p, sums, m - 1, delta, changed, last_label), "last run"))
         self.points.extend(p for p, _ in cands)
         self.live = {r: start[r].affine(m, delta[r]) for r in ROLES}
+        self.frozen = {}
         self.saved = start_saved.affine(m, d_saved)
         return m, cands
 
@@ -499,7 +542,7 @@ class _Walk:
             sample = dict(zip(map(id, real + mine), samples(exprs)))
             for p in mine:
                 same = [q for q in real if q.phase == p.phase and q.node == p.node]
-                others = [q for q in real if q.phase == p.phase and q not in same]
+                others = [q for q in real if q.phase == p.phase and q.node != p.node]
                 tries = [q for q in same + others if all(x >= y for x, y in zip(sample[id(q)], sample[id(p)]))]
                 if not any(provably_nonneg(value[id(q)] - value[id(p)]) for q in tries):
                     return False
@@ -560,7 +603,7 @@ def _harmless_terms(x, slope, shift, c: int, walked, mine, every: dict) -> bool 
                                {x: int(root)}), every)
         for p in mine:
             same = [q for q in real if q.phase == p.phase and q.node == p.node]
-            others = [q for q in real if q.phase == p.phase and q not in same]
+            others = [q for q in real if q.phase == p.phase and q.node != p.node]
             if not any(covers(sample(q), sample(p))
                        and terms_nonneg(substitute(_minus(every[id(q)], every[id(p)]), x, int(root)))
                        for q in same + others):
