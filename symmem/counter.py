@@ -326,12 +326,30 @@ class _Sum:
 def _last_run(p: Point, sums: dict, k, delta: dict, changed: list, label: str) -> Point:
     """The point ``p`` of a segment's first run, ``sums`` its roles' bytes (:class:`_Sum`), at
     the segment's last run: each role's bytes plus ``k`` times the role's change per
-    iteration ``delta``. A role that does not change (``changed`` lists those that do) keeps
-    its sum and its expression as they are."""
+    iteration ``delta`` (``"total"``: the change of their sum). A role that does not change
+    (``changed`` lists those that do) keeps its sum and its expression as they are; the total
+    is the first run's plus ``k`` times the change of the total."""
     sums = dict(sums)
     for r in changed:
         sums[r] = sums[r].affine(k, delta[r])
-    return Point(p.phase, p.node, _Pending(sums), label, p.micro, summed=_summed(sums))
+    kd = _terms_of(k)
+    if p.summed is not None and kd is not None and all(delta[r].rest is ZERO for r in changed):
+        summed = dict(p.summed)          # every role a sum of products, and so are their changes
+        _merge(summed, times_terms(kd, delta["total"].d), 1)
+    else:
+        summed = _summed(sums)
+    return Point(p.phase, p.node, _Pending(sums), label, p.micro, summed=summed)
+
+
+def _plus(d: dict | None, e) -> dict | None:
+    """The terms ``d`` plus the expression ``e`` (a new dictionary; None where either is not a
+    sum of products)."""
+    de = _terms_of(e)
+    if d is None or de is None:
+        return None
+    d = dict(d)
+    _merge(d, de, 1)
+    return d
 
 
 def _summed(sums: dict) -> dict | None:
@@ -378,6 +396,8 @@ class _Walk:
     def __init__(self):
         self.live = {r: _Sum() for r in ROLES}
         self.frozen: dict = {}     # role -> a copy of its live sum, while the sum stays as it is
+        self.total = _Sum()        # the sum of every role's live bytes
+        self.frozen_total = None   # its terms while they stay as they are (None: not taken)
         self.saved = _Sum()
         self.points: list[Point] = []
         self.requirements: list = []
@@ -398,28 +418,43 @@ class _Walk:
         kind = op[0]
         if kind == "alloc":
             _, nbytes, role, cnt, saved = op
-            self.live[role].add(_allocation(nbytes, cnt))
-            self.frozen.pop(role, None)
+            self._add(role, _allocation(nbytes, cnt), 1)
             if saved is not ZERO:
                 self.saved.add(saved)
         elif kind == "free":
             _, nbytes, role, cnt = op
-            self.live[role].add(_allocation(nbytes, cnt), -1)
-            self.frozen.pop(role, None)
+            self._add(role, _allocation(nbytes, cnt), -1)
         elif kind == "mark":
             _, phase, node, extra, _, micro = op
             acc = {r: self._frozen(r) for r in ROLES}
+            summed = self._summed()
             for role, e in extra:
                 if e is not ZERO and e != 0:
                     acc[role] = acc[role].copy()
                     acc[role].add(e)
-            point = Point(phase, node, _Pending(acc), label, micro, summed=_summed(acc))
+                    summed = _plus(summed, e)
+            point = Point(phase, node, _Pending(acc), label, micro, summed=summed)
             if out is None:
                 self.points.append(point)
             else:                # a segment's point, with its roles' sums
                 out.append((point, acc))
         elif kind == "end of forward":
             self.saved_at_end_of_forward = self.saved.expr()
+
+    def _add(self, role: str, e, sign: int) -> None:
+        """Add (``sign`` 1) or take away (-1) the bytes ``e`` of ``role``, and from the total."""
+        self.live[role].add(e, sign)
+        self.total.add(e, sign)
+        self.frozen.pop(role, None)
+        self.frozen_total = None
+
+    def _summed(self) -> dict | None:
+        """The terms of the live bytes of every role (None where a role has a part that is not
+        a sum of products): one dictionary per change, shared by the points until then."""
+        if self.frozen_total is None:
+            plain = all(self.live[r].rest is ZERO for r in ROLES)
+            self.frozen_total = (dict(self.total.d) if plain else None,)
+        return self.frozen_total[0]
 
     def _frozen(self, role: str) -> "_Sum":
         """A copy of the role's live sum that nothing changes: one per change of the role, shared
@@ -470,11 +505,13 @@ class _Walk:
 
     def _segment(self, body, m, first_label, last_label):
         start = {r: self.live[r].copy() for r in ROLES}
+        start_total = self.total.copy()
         start_saved = self.saved.copy()
         pts: list = []           # (point, its roles' sums)
         for op in body:
             self._apply(op, first_label, pts)
         delta = {r: self.live[r].minus(start[r]) for r in ROLES}
+        d_total = self.total.minus(start_total)
         d_saved = self.saved.minus(start_saved)
         if m == 1:
             cands = [(p, "first run") for p, _ in pts]
@@ -486,10 +523,12 @@ class _Walk:
                 if not grows:    # the first run can be the larger
                     cands.append((p, "first run"))
                 if not shrinks or grows:
-                    cands.append((_last_run(p, sums, m - 1, delta, changed, last_label), "last run"))
+                    cands.append((_last_run(p, sums, m - 1, {**delta, "total": d_total}, changed, last_label),
+                                  "last run"))
         self.points.extend(p for p, _ in cands)
         self.live = {r: start[r].affine(m, delta[r]) for r in ROLES}
-        self.frozen = {}
+        self.total = start_total.affine(m, d_total)
+        self.frozen, self.frozen_total = {}, None
         self.saved = start_saved.affine(m, d_saved)
         return m, cands
 
