@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from fractions import Fraction
+from itertools import chain
 from math import comb, gcd
 
 import sympy as sp
@@ -162,7 +163,10 @@ def prune(exprs: list) -> list[int]:
     sample values are never needed."""
     totals = [sp.sympify(e) for e in exprs]
     gens = sorted(set().union(*(t.free_symbols for t in totals)), key=str)
-    return _prune([_polynomial(t, gens) for t in totals], gens)
+    polys = [_polynomial(t, gens) for t in totals]
+    monos = list(dict.fromkeys(m for q in polys if q is not None for m in q))
+    column = {m: k for k, m in enumerate(monos)}
+    return _prune([None if q is None else ([column[m] for m in q], list(q.values())) for q in polys], monos, gens)
 
 
 def prune_terms(ds: list) -> list[int] | None:
@@ -175,7 +179,7 @@ def prune_terms(ds: list) -> list[int] | None:
     product is read once (the sums of a step share most of theirs)."""
     if any(d is None for d in ds):
         return None
-    keys = dict.fromkeys(key for d in ds for key in d)
+    keys = dict.fromkeys(chain.from_iterable(ds))
     bases = {base for key in keys for base, _ in key}
     gens = sorted((x for x in bases if x.is_Symbol or _at_least_one(x)), key=str)
     index = {g: i for i, g in enumerate(gens)}
@@ -185,27 +189,24 @@ def prune_terms(ds: list) -> list[int] | None:
             i = index.get(base)
             if i is not None and ex < low[i]:
                 low[i] = ex
-    exps: dict = {}
+    monos, column = [], {}          # each product's monomial (exponents of gens), its column
     for key in keys:
         e = [-x for x in low]
         for base, ex in key:
             i = index.get(base)
             if i is None:           # another atom: not a polynomial in gens
-                e = None
                 break
             e[i] += ex
-        exps[key] = None if e is None else tuple(e)
-    polys = []
+        else:
+            column[key] = len(monos)
+            monos.append(tuple(e))
+    rows = []
     for d in ds:
-        poly = {}
-        for key, c in d.items():
-            m = exps[key]
-            if m is None:
-                poly = None
-                break
-            poly[m] = c
-        polys.append(poly)
-    return _prune(polys, gens)
+        try:
+            rows.append(([column[key] for key in d], list(d.values())))
+        except KeyError:            # a product with another atom
+            rows.append(None)
+    return _prune(rows, monos, gens)
 
 
 def _at_least_one(atom) -> bool:
@@ -213,10 +214,14 @@ def _at_least_one(atom) -> bool:
     return isinstance(atom, sp.ceiling) and bool(atom.args[0].is_positive)
 
 
-def _prune(polys: list, gens) -> list[int]:
-    keep = _prune_matrix(polys, gens)
+def _prune(rows: list, monos: list, gens) -> list[int]:
+    """The pruning of polynomials given as ``rows``: each (columns, coefficients) over the
+    monomials ``monos`` (exponents of ``gens``), or None (not a polynomial: kept, dominates
+    none). As arrays where they are exact (:func:`_prune_matrix`), else pair by pair."""
+    keep = _prune_matrix(rows, monos, gens)
     if keep is not None:
         return keep
+    polys = [None if r is None else {monos[k]: c for k, c in zip(*r)} for r in rows]
     points = [f(len(gens)) for f in _POINTS]
     values = [tuple(_value(q, p) for p in points) if q is not None else None for q in polys]
     coeffs: dict = {}
@@ -245,7 +250,7 @@ def _prune(polys: list, gens) -> list[int]:
     return keep
 
 
-def _prune_matrix(polys: list, gens) -> list[int] | None:
+def _prune_matrix(rows: list, monos: list, gens) -> list[int] | None:
     """:func:`_prune` with every pair's :func:`dominates` decided at once, as arrays: the
     shifted coefficients of the polynomials, over the union of their monomials (a missing
     one 0), times the common denominator of the fractions among them, so that j dominates i
@@ -260,43 +265,40 @@ def _prune_matrix(polys: list, gens) -> list[int] | None:
     integers). None when it could: the pairs are then compared one by one, exactly."""
     import numpy as np
     from math import lcm
-    comparable = [i for i, q in enumerate(polys) if q is not None]
+    comparable = [i for i, r in enumerate(rows) if r is not None]
     if len(comparable) < 2:
         return None
-    monos: dict = {}    # monomial -> its column in the coefficients
-    rows, cols, vals = [], [], []
-    for r, i in enumerate(comparable):
-        q = polys[i]
-        rows.extend([r] * len(q))
-        cols.extend([monos.setdefault(m, len(monos)) for m in q])
-        vals.extend(q.values())
+    lengths = [len(rows[i][0]) for i in comparable]
+    cols = list(chain.from_iterable(rows[i][0] for i in comparable))
+    vals = list(chain.from_iterable(rows[i][1] for i in comparable))
     fractions = [v.denominator for v in vals if type(v) is not int]
     if fractions:       # whole coefficients: the table in integers
         den = lcm(*fractions)
         vals = [int(v * den) for v in vals]
+    used = np.unique(np.array(cols, dtype=np.int64))     # the monomials of the rows compared
+    place = np.zeros(len(monos), dtype=np.int64)
+    place[used] = np.arange(len(used))
     shifted = tuple(i for i, g in enumerate(gens) if g in _DIMENSIONS)
     columns: dict = {}
     e_rows, e_cols, e_vals, e_sums = [], [], [], {}
-    for m, k in monos.items():
+    for k, m in enumerate(monos[i] for i in used):
         for mono, v in _expansion(m, shifted):
             j = columns.setdefault(mono, len(columns))
             e_rows.append(k)
             e_cols.append(j)
             e_vals.append(v)
             e_sums[j] = e_sums.get(j, 0) + v         # binomials: all positive
-    if max(map(abs, vals)) * max(e_sums.values()) >= 1 << 53:
+    if max(map(abs, vals), default=0) * max(e_sums.values(), default=0) >= 1 << 53:
         return None
-    a = np.zeros((len(comparable), len(monos)))
-    a[rows, cols] = vals
-    e = np.zeros((len(monos), len(columns)))
+    a = np.zeros((len(comparable), len(used)))
+    a[np.repeat(np.arange(len(comparable)), lengths), place[cols]] = vals
+    e = np.zeros((len(used), len(columns)))
     e[e_rows, e_cols] = e_vals
     dom = _dominance(a @ e)
-    n = len(comparable)
-    earlier = np.tril(np.ones((n, n), dtype=bool), -1).T    # earlier[j, i]: j < i
-    beaten = dom & (earlier | ~dom.T)
-    np.fill_diagonal(beaten, False)
-    dominated = {comparable[i] for i in np.flatnonzero(beaten.any(axis=0))}
-    return [i for i in range(len(polys)) if i not in dominated]
+    mutual = dom & dom.T                  # equal: of them, the first is kept
+    beaten = (dom & ~mutual).any(axis=0) | np.triu(mutual, 1).any(axis=0)
+    dominated = {comparable[i] for i in np.flatnonzero(beaten)}
+    return [i for i in range(len(rows)) if i not in dominated]
 
 
 

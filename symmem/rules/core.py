@@ -7,6 +7,7 @@ This module does not import :mod:`symmem.graph`: a rule reads a node only throug
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Protocol
 
@@ -17,7 +18,7 @@ from ..symbols import B_a, b as B
 from .autocast import autocast_policy
 
 __all__ = ["DType", "TensorInfo", "Saved", "Footprint", "Ctx", "NodeLike", "Rule", "rule",
-           "get_rule", "RULES", "infer_shape", "F32", "F64", "I64", "BOOL"]
+           "get_rule", "RULES", "infer_shape", "maximum", "F32", "F64", "I64", "BOOL"]
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,15 @@ def _same(x, y) -> bool:
     """Are the sizes ``x`` and ``y`` (products and ratios of symbols) equal? Their difference
     expanded is 0 (no ``simplify``: a shape check runs at every node of a derivation)."""
     return sp.expand(x - y) == 0
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def maximum(*args) -> sp.Expr:
+    """``sympy.Max(*args)``, kept per arguments: sympy decides which argument can be dropped
+    by comparing them (``_find_localzeros``, a ``factor_terms`` per pair: 8 ms for T5's
+    causal mask's ``Max(0, ...)``), the same each time a rule meets the same sizes (every
+    layer's, every derivation's)."""
+    return sp.Max(*args)
 
 
 def _promote(*dts: DType) -> DType:

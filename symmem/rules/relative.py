@@ -12,7 +12,7 @@ from __future__ import annotations
 import sympy as sp
 
 from ..errors import ConfigError
-from .core import BOOL, F32, I64, Footprint, Saved, TensorInfo, _grads, rule
+from .core import BOOL, F32, I64, Footprint, Saved, TensorInfo, _grads, maximum, rule
 
 __all__ = ["bias_mask_rule", "position_pair_rule", "relative_position_rule", "position_bucket_rule", "bias_heads_rule",
            "zeros_bias_rule", "shift_right_rule", "autocast_copy_rule", "t5_layer_norm_rule", "fp16_clamp_rule"]
@@ -31,7 +31,7 @@ def position_pair_rule(node, ins, ctx):
     at that moment 16 s_q bytes, the two results' 8 (s_q + s_k) when s_q = s_k, as in
     self-attention, where the bias is computed."""
     sq, sk = _lengths(node, ins)
-    return Footprint(TensorInfo((sq + sk,), I64, requires_grad=False), fwd_temp=8 * sp.Max(0, sq - sk),
+    return Footprint(TensorInfo((sq + sk,), I64, requires_grad=False), fwd_temp=8 * maximum(0, sq - sk),
                      grads=(None, None))
 
 
@@ -98,7 +98,7 @@ def bias_mask_rule(node, ins, ctx):
     sq, sk = x.shape[-2], x.shape[-1]
     out = TensorInfo(x.shape, x.dtype, True, x.requires_grad)
     saved = (Saved("where condition", "new", sq * sk, BOOL),) if x.requires_grad else ()
-    temp = sp.Max(0, 8 * (sq + sk) - out.nbytes - (0 if x.requires_grad else sq * sk))
+    temp = maximum(0, 8 * (sq + sk) - out.nbytes - (0 if x.requires_grad else sq * sk))
     return Footprint(out, saved=saved, fwd_temp=temp, grads=_grads(ins))
 
 
@@ -124,7 +124,7 @@ def shift_right_rule(node, ins, ctx):
     ``masked_fill_`` with ``shifted == -100`` (bool, b s_d, freed after)."""
     x = ins[0]
     rows = x.numel / x.shape[-1]
-    temp = sp.Max(8 * rows * (x.shape[-1] - 1), rows * x.shape[-1])
+    temp = maximum(8 * rows * (x.shape[-1] - 1), rows * x.shape[-1])
     return Footprint(TensorInfo(tuple(x.shape), I64, requires_grad=False), fwd_temp=temp, grads=(None,))
 
 
