@@ -131,20 +131,22 @@ class _Lowering:
         # frozen, or inference: no gradient, master or state
         trained = [(p, m) for p, m in params if p.trainable and policy.mode != "inference"]
         # the master copy: of the trainable weights in the precision's dtype
-        M = self.master = sp.expand(sum((p.numel * m for p, m in trained if p.dtype is None), ZERO))
-        tensors = sp.expand(sum((m for _, m in trained), ZERO))
+        M = self.master = sp.expand(sp.Add(*(p.numel * m for p, m in trained if p.dtype is None)))
+        tensors = sp.expand(sp.Add(*(m for _, m in trained)))
         opt, prec = policy.opt, policy.prec
 
         def state(p):       # in the parameter's own dtype where it has one
             return opt.state_bytes(p).xreplace(own_dtype([p]))
         buffers = [(node, m, self.info[(node.name, 0 if m == 1 else 1)].nbytes) for node, m in graph.buffers()]
-        components = {"params": sp.expand(sum((weight_bytes(p) * m for p, m in params), ZERO)),
-                      "grads": sp.expand(sum((grad_bytes(p) * m for p, m in trained), ZERO)),
+        # one Add of all the terms: a running sum flattens again at each term (quadratic in the
+        # parameters: T5's with its layer count bound, every layer's written out)
+        components = {"params": sp.expand(sp.Add(*(weight_bytes(p) * m for p, m in params))),
+                      "grads": sp.expand(sp.Add(*(grad_bytes(p) * m for p, m in trained))),
                       "master": M * B_m if prec.master else ZERO,
-                      "optimizer": sp.expand(sum((state(p) * m for p, m in trained), ZERO)
+                      "optimizer": sp.expand(sp.Add(*(state(p) * m for p, m in trained))
                                              + (4 * tensors if policy.step_on_device else 0)
                                              + (opt.shared if trained else 0)),
-                      "buffers": sp.expand(sum((nb * m for _, m, nb in buffers), ZERO))}
+                      "buffers": sp.expand(sp.Add(*(nb * m for _, m, nb in buffers)))}
         events = []
         for p, m in params:
             events.append(Alloc(Key("param", p.name), weight_bytes(p), "params", m))
