@@ -294,13 +294,30 @@ def _prune_matrix(rows: list, monos: list, gens) -> list[int] | None:
     a[np.repeat(np.arange(len(comparable)), lengths), place[cols]] = vals
     e = np.zeros((len(used), len(columns)))
     e[e_rows, e_cols] = e_vals
-    dom = _dominance(a @ e)
+    dom = _dominance(_product(a, e))
     mutual = dom & dom.T                  # equal: of them, the first is kept
     beaten = (dom & ~mutual).any(axis=0) | np.triu(mutual, 1).any(axis=0)
     dominated = {comparable[i] for i in np.flatnonzero(beaten)}
     return [i for i in range(len(rows)) if i not in dominated]
 
 
+
+
+#: OpenBLAS multiplies with one thread up to this many multiply-adds (``m * n * k``,
+#: ``GEMM_MULTITHREAD_THRESHOLD`` times 65536): past it, its threads cost milliseconds to start
+#: and join where a table of the candidates takes a fraction of one to compute
+_ONE_THREAD = 1 << 18
+
+
+def _product(a, e):
+    """``a @ e``, in blocks of rows each below OpenBLAS's threading (:data:`_ONE_THREAD`), as
+    :class:`symmem.engine._Monomials` evaluates: the same numbers (each entry is one row
+    times one column), without the threads' start (25 times the product on a shared machine)."""
+    import numpy as np
+    rows = max(1, _ONE_THREAD // max(1, a.shape[1] * e.shape[1]))
+    if a.shape[0] <= rows:
+        return a @ e
+    return np.concatenate([a[i:i + rows] @ e for i in range(0, a.shape[0], rows)])
 
 
 def _dominance(table):
