@@ -38,7 +38,8 @@ def canonical(expr) -> sp.Expr:
     term goes under the power of the first of L, b, s it has, as ``sympy.collect(expr,
     [L, b, s])`` puts it (the same expression, built directly: collect costs ten times more)."""
     d = terms(expr)
-    if d is None or not _atoms_expanded(d):
+    out = None if d is None else _collect(d)
+    if out is None:
         # not yet a sum of products of symbols (expand it), or one holding an atom such as
         # ceiling((s + 1)/128) that expand rewrites inside; a sum of products of symbols and
         # of atoms already expanded (ceiling(s/128)) it leaves as it is
@@ -46,43 +47,46 @@ def canonical(expr) -> sp.Expr:
         d = terms(expr)
         if d is None:
             return _canonical(expr)
-    return _collect(d)
+        out = _collect(d, check=False)
+    return out
 
 
 def _point_canonical(p: Point) -> sp.Expr:
     """``canonical(p.total)``, from the terms of the point's parts where they are products
     of symbols (no sum built first)."""
     d = p.terms
-    if d is None or not _atoms_expanded(d):
-        return canonical(p.total)
-    return _collect(d)
+    out = None if d is None else _collect(d)
+    return canonical(p.total) if out is None else out
 
 
 _EXPANDED: dict = {}
 
 
-def _atoms_expanded(d: dict) -> bool:
-    """Are the bases of the terms ``d`` symbols, or atoms (a ceiling, a Max) that expand
-    leaves as they are? Then their sum is already expanded (each atom asked once)."""
-    for key in d:
-        for base, _ in key:
-            if not base.is_Symbol:
-                hit = _EXPANDED.get(base)
-                if hit is None:
-                    hit = sp.expand(base) == base
-                    if len(_EXPANDED) < 1 << 16:
-                        _EXPANDED[base] = hit
-                if not hit:
-                    return False
+def _expanded(key: frozenset) -> bool:
+    """Are the bases of the product ``key`` symbols, or atoms (a ceiling, a Max) that expand
+    leaves as they are? Then a sum of such products is already expanded (each atom asked
+    once)."""
+    for base, _ in key:
+        if not base.is_Symbol:
+            hit = _EXPANDED.get(base)
+            if hit is None:
+                hit = sp.expand(base) == base
+                if len(_EXPANDED) < 1 << 16:
+                    _EXPANDED[base] = hit
+            if not hit:
+                return False
     return True
 
 
-def _collect(d: dict) -> sp.Expr:
-    """The canonical form of the sum of products of symbols :func:`~symmem.bounds.terms` ``d``."""
+def _collect(d: dict, check: bool = True) -> sp.Expr | None:
+    """The canonical form of the sum of products of symbols :func:`~symmem.bounds.terms` ``d``;
+    None, where ``check``, when an atom of it is not expanded (:func:`_expanded`)."""
     groups: dict = {}
     rest = []
     for key, c in d.items():
-        power, term = _grouped(key, c)
+        power, term, expanded = _grouped(key, c)
+        if check and not expanded:
+            return None
         if power is None:
             rest.append(term)
         else:
@@ -112,9 +116,10 @@ _GROUPED: dict = {}
 
 
 def _grouped(key: frozenset, c) -> tuple:
-    """(``L**k``, the rest of the term) for the first of L, b, s the term ``c * key`` holds,
-    else (None, the term): built once per term and kept, as the candidates of a step share
-    most of theirs (and the same objects sort and hash at once)."""
+    """(``L**k``, the rest of the term, whether its atoms are expanded) for the first of L, b,
+    s the term ``c * key`` holds, else (None, the term, ...): built once per term and kept, as
+    the candidates of a step share most of theirs (and the same objects sort and hash at
+    once)."""
     hit = _GROUPED.get((key, c))
     if hit is None:
         factors = dict(key)
@@ -124,7 +129,7 @@ def _grouped(key: frozenset, c) -> tuple:
             if k:
                 power = x ** k
                 break
-        hit = (power, product(c, [base if ex == 1 else base ** ex for base, ex in factors.items()]))
+        hit = (power, product(c, [base if ex == 1 else base ** ex for base, ex in factors.items()]), _expanded(key))
         if len(_GROUPED) < 1 << 16:
             _GROUPED[key, c] = hit
     return hit
