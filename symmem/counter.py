@@ -37,6 +37,7 @@ from .plan import (AUTOGRAD, CHECKPOINT, ROLES, Alloc, Begin, Compute, End, Free
 __all__ = ["Point", "Timeline", "count", "saved", "resolve"]
 
 ZERO = sp.Integer(0)
+ONE = sp.Integer(1)
 INF = float("inf")
 
 
@@ -183,7 +184,7 @@ def resolve(plan: Plan) -> list:
             made = ([(e.out, e.out_bytes)] if e.out is not None else []) + list(e.new)
             for key, nbytes in made:
                 current[key] = len(storages)
-                storages.append(_Storage(nbytes, e.role, sp.Integer(1), pos, False, pos, origin=inside,
+                storages.append(_Storage(nbytes, e.role, ONE, pos, False, pos, origin=inside,
                                          brief=key in e.brief))
             for key, holder in e.holds:
                 if key in current:
@@ -236,7 +237,7 @@ def resolve(plan: Plan) -> list:
             role, saved = allocs[i]
             ops.append(("alloc", e.nbytes, role, e.count, saved))
         elif isinstance(e, Free):
-            ops.append(("free", e.nbytes, e.role, sp.Integer(1)))
+            ops.append(("free", e.nbytes, e.role, ONE))
         elif isinstance(e, Mark) and ph is not None:
             ops.append(("mark", e.phase, e.node, e.extra, e.copy, mb))
         elif isinstance(e, Begin):
@@ -245,10 +246,19 @@ def resolve(plan: Plan) -> list:
             ops.append(("end", e.block, e.copy))
         for i in frees.get(pos, ()):
             st = storages[i]
-            ops.append(("free", st.nbytes, allocs[i][0], st.count * _iterations(st.origin, context[pos], copies)))
+            times = _iterations(st.origin, context[pos], copies)
+            ops.append(("free", st.nbytes, allocs[i][0], _times(st.count, times)))
         if pos == end_of_forward:
             ops.append(("end of forward",))
     return ops
+
+
+def _times(x, y: sp.Expr) -> sp.Expr:
+    """``x * y`` (``y`` a sympy number or expression), without sympy's call where either is 1
+    (most storages' counts)."""
+    if y is ONE and isinstance(x, sp.Basic):
+        return x
+    return y if x is ONE else x * y
 
 
 def _iterations(origin, here, copies) -> sp.Expr:
@@ -256,9 +266,9 @@ def _iterations(origin, here, copies) -> sp.Expr:
     when it happens ``here``: inside the same block, one per iteration (the counting
     extrapolates the copy); outside it, the middle copy stands for ``count - 2`` iterations."""
     if origin is None or copies.get(origin[0], 0) < 3 or origin[1] != 2:
-        return sp.Integer(1)
+        return ONE
     if here is not None and here[0] == origin[0]:
-        return sp.Integer(1)
+        return ONE
     if here is not None:
         raise NotImplementedError(f"a storage of the middle iterations of block {origin[0]!r} freed "
                                   f"inside block {here[0]!r}")
