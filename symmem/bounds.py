@@ -260,9 +260,11 @@ def _prune_matrix(rows: list, monos: list, gens) -> list[int] | None:
     that it does not dominate back) does not depend on the order of the j.
 
     The shift is linear: the table is the coefficients (a row per polynomial, a column per
-    monomial) times each monomial's expansion in ``x - 1`` (:func:`_expansion`), one float64
-    matrix product, exact where no sum can reach 2^53 (bounded first, with Python's
-    integers). None when it could: the pairs are then compared one by one, exactly."""
+    monomial of the rows compared) times each monomial's expansion in ``x - 1``
+    (:func:`_expansion`), one float64 matrix product (:func:`_product`), exact where no sum
+    can reach 2^53 (bounded first, with Python's integers); which row is >= which is read off
+    it by :func:`_dominance`. None when a sum could reach 2^53: the pairs are then compared
+    one by one, exactly."""
     import numpy as np
     from math import lcm
     comparable = [i for i, r in enumerate(rows) if r is not None]

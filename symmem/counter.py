@@ -9,8 +9,9 @@ Python's reference counting does. A storage held by autograd (or by a checkpoint
 activation; one nobody holds is transient. Storages of explicit :class:`~symmem.plan.Alloc`
 events are freed by their :class:`~symmem.plan.Free` only.
 
-**Counting.** Live bytes are summed per role (as dictionaries of terms, :class:`_Sum`, whose
-expression is built when a mark records a :class:`Point`). A repeated block appears as its
+**Counting.** Live bytes are summed per role and in all (as dictionaries of terms,
+:class:`_Sum`); a mark records a :class:`Point` with its total's terms, each role's
+expression built when its parts are first read. A repeated block appears as its
 copies (first iteration, a middle one, last iteration; backward runs them in reverse).
 Copies whose events are the same byte for byte are one *segment*: a segment of ``m``
 iterations is run once, and since each of its iterations leaves the same bytes ``D`` behind,
