@@ -51,6 +51,7 @@ class _Pending:
         self.sums = sums
 
     def build(self) -> tuple:
+        """((role, bytes expr), ...) in ROLES order: :attr:`Point.parts`."""
         return tuple((r, self.sums[r].expr()) for r in ROLES)
 
 
@@ -61,6 +62,7 @@ class _Parts:
     at every point (a third of T5's counting) is left to those who read them."""
 
     def __get__(self, obj, owner=None):
+        """The point's parts, built (and kept) if they were pending."""
         if obj is None:
             raise AttributeError("parts")       # no default: a point is made with its parts
         parts = obj.__dict__["_parts"]
@@ -69,6 +71,7 @@ class _Parts:
         return parts
 
     def __set__(self, obj, value) -> None:
+        """Kept as given (a tuple, or :class:`_Pending`): the dataclass's ``__init__`` sets it."""
         obj.__dict__["_parts"] = value
 
 
