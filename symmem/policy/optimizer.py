@@ -58,8 +58,9 @@ StepTemps = Callable[[list, list], list]
 
 
 def _total(params) -> sp.Expr:
-    """N: the parameter elements, each tensor ``m`` times."""
-    return sp.expand(sum((p.numel * m for p, m in params), ZERO))
+    """N: the parameter elements, each tensor ``m`` times (one ``Add`` of the terms: a running
+    sum is flattened again at each parameter)."""
+    return sp.expand(sp.Add(*(p.numel * m for p, m in params)))
 
 
 def _per_parameter(order, size) -> list:
@@ -190,7 +191,7 @@ def _adafactor_foreach(order, params) -> list:
     if not order:
         return _none(order, params)
     NM, NV = _total(mats), _total(vecs)
-    TM = sp.expand(sum((p.numel / (p.shape[-1] * p.shape[-2]) * m for p, m in mats), ZERO))
+    TM = sp.expand(sp.Add(*(p.numel / (p.shape[-1] * p.shape[-2]) * m for p, m in mats)))
     matrices_first = _factored(order[0].shape)
     marks = []
     if mats:
