@@ -531,9 +531,8 @@ class Graph:
         items, prev, reqs = [], rep.carried, []
         for a, z in zip(bounds, bounds[1:]):
             part = Graph.part_name(block, a, z, rep.count)
-            body = _body_copy(rep, part, prev)
-            items.append(Repeat(part, sp.expand(z - a), body, prev,
-                                tuple(part + o[len(rep.name):] for o in rep.output), rep.shape,
+            body, outputs = _body_copy(rep, part, prev)
+            items.append(Repeat(part, sp.expand(z - a), body, prev, outputs, rep.shape,
                                 tuple(f"{part}" if k == 0 else f"{part}.{k}" for k in range(len(rep.names)))))
             prev = items[-1].names
             reqs.append(Requirement(sp.expand(a + 1), z, f"the part {part!r} of block {block!r} holds a layer"))
@@ -739,17 +738,18 @@ def _renamed_body(rep: Repeat, prefix: str, param_prefix: str, carried: tuple, s
 
 def _body_copy(rep: Repeat, name: str, inputs: tuple) -> "Graph":
     """A copy of ``rep``'s body for a block called ``name`` that receives ``inputs``:
-    values and carry nodes renamed ``name/...``, parameters ``name.param``."""
+    values and carry nodes renamed ``name/...``, parameters ``name.param``. Returns the body
+    and the names of its outputs."""
     body = Graph(name, parent=rep.body.parent, externals=rep.body.externals)
     carried = tuple(name + c[len(rep.name):] for c in rep.carries)
     body.items = [Node(c, "carry", (x,), attrs=n.attrs, shape=n.shape)
                   for c, x, n in zip(carried, inputs, [n for n in rep.body.items if n.name in rep.carries])]
-    nodes, _, body.locals = _renamed_body(rep, name, f"{name}.", carried)
+    nodes, outputs, body.locals = _renamed_body(rep, name, f"{name}.", carried)
     body.items += nodes
     for n in body.items:
         body._shapes[n.name] = n.shape
     body._params = {p.name: p for n in nodes for p in n.params if p.name.startswith(f"{name}.")}
-    return body
+    return body, outputs
 
 
 def _fmt_index(x, count) -> str:

@@ -39,22 +39,40 @@ are float16 models (``T5Block`` clamps float16 hidden states).
 ``recompute="full"`` is measured against transformers' activation checkpointing of every
 ``T5Block`` (``activation_checkpointing_enable()``, non-reentrant; ``tests/test_t5_measured.py``:
 float32 with eager attention and SDPA, a bfloat16 model with eager attention, ReLU and gated GELU,
-b = 1 to 3). ``T5Block`` is a ``GradientCheckpointingLayer`` called with positional arguments
+b = 1 to 3), and so are the modes that checkpoint some blocks, each stack's written-out first
+block counted as its layer 0 (the ``first_layer_of`` attribute, :mod:`symmem.passes.regions`):
+
+* ``nth:N``: ``activation_checkpointing_enable(every_n_layers=N)``, which numbers the
+  ``GradientCheckpointingLayer`` modules in ``model.modules()`` order, the encoder's blocks 0 to
+  L - 1, then the decoder's L to L + L_d - 1, and checkpoints those with ``index % N == 0``.
+  symmem requires N to divide both L and L_d (refused otherwise), so that every stack's blocks
+  0, N, 2N, ... are the checkpointed ones: block 0 (written out) and, of the repeated L - 1,
+  layers 1 to N - 1 kept, the other L - N grouped N at a time, the first of each group
+  checkpointed;
+* ``last:N`` and ``Recompute.layers(a, z)``: in each stack, blocks 0 to L - N - 1 (a to z - 1)
+  checkpointed, block 0 being the written-out one (measured: transformers' checkpointing with
+  ``gradient_checkpointing`` switched off on the other blocks of each stack);
+* ``every:K`` (K blocks as one region) would join the written-out block to repeated ones:
+  refused, as are ``selective`` (T5's attention core is not tagged) and the reentrant checkpoint
+  (:func:`refuse_checkpointing`).
+
+``T5Block`` is a ``GradientCheckpointingLayer`` called with positional arguments
 (hidden states, mask, position bias, encoder states, encoder mask, cross bias) and ``cache`` bound
 by ``functools.partial``; so
 
 * each stack's first block, which computes the position bias, is a checkpointed region like the
-  others (written out here, it has a ``layer`` attribute); the bias is its output, and every
-  later block's checkpoint keeps it as an argument until that block's backward;
-* ``T5Attention`` (its ``gradient_checkpointing`` flag set too) makes the cross-attention's zero
-  bias with ``requires_grad = True``: a leaf whose (1, a, s_d, s) gradient, summed over the decoder
+  others where it is checkpointed (written out here, it has a ``layer`` attribute); the bias is
+  its output, and every later block's checkpoint keeps it as an argument until that block's
+  backward;
+* ``T5Attention`` (its ``gradient_checkpointing`` flag set too, in every block whichever blocks
+  are checkpointed) makes the cross-attention's zero bias with ``requires_grad = True``: a leaf whose (1, a, s_d, s) gradient, summed over the decoder
   blocks, AccumulateGrad keeps as its ``.grad``, the graph keeping both through the optimizer step
   (the ``zeros_bias`` node's ``grad_when_checkpointed``, set by :mod:`symmem.passes.recompute`);
 * ``T5DenseGatedActDense``'s ``hidden_gelu`` and ``hidden_linear`` are Python locals until
   ``wo`` returns (the product saves them anyway, unless checkpointed).
 
 Under autocast and in a bfloat16 model with SDPA the measured step differs, and those
-combinations are refused (:func:`refuse_checkpointing`): under bfloat16 autocast the first
+combinations are refused in every recompute mode (:func:`refuse_checkpointing`): under bfloat16 autocast the first
 encoder block's recomputation holds 16,384 bytes more than symmem counts (eager; 8,192 with
 SDPA; at b = 2, s = 16, d_model = 32, d_ff = 64), in part the block's Python locals that the
 recomputation keeps again (T5LayerNorm's float32 output while q, k and v run: 4,096), which
@@ -254,7 +272,9 @@ def build_t5(cfg: T5Config) -> Graph:
         emb = g.add("embedding", ids_, params=(shared,), name=f"{name}/embed_tokens")
         mask = g.add("causal_mask", ids_, name=f"{name}/causal_mask") if decoder else None
         x = g.add("dropout", emb, p=p, name=f"{name}/dropout")
-        with g.scope(layer=f"{name}/block.0"):     # one layer to recompute, as the repeated ones
+        # one layer to recompute, as the repeated ones: layer 0 of the stack, whose others are the
+        # block's iterations (layer ranges and nth:N count it so, :mod:`symmem.passes.regions`)
+        with g.scope(layer=f"{name}/block.0", first_layer_of=f"{name}/blocks"):
             x, bias, cross = layer(g, x, f"{name}/block.0/", f"{name}.block.0.", decoder, True, None, mask, enc,
                                    None)
 
@@ -290,16 +310,22 @@ def build_t5(cfg: T5Config) -> Graph:
 
 
 def refuse_checkpointing(graph: Graph, policy) -> None:
-    """Every layer checkpointed (``recompute="full"``; the other modes are refused: each stack's
-    first block is written out, outside the ranges they cut) is measured exact in float32 and
-    in a bfloat16 model with eager attention; under autocast, and in a bfloat16 model with SDPA
-    (its math kernel, on the CPU), the measured step differs (the module docstring says by how
-    much): refused. CUDA's mem-efficient kernel is derived, not measured, in every precision."""
+    """Checkpointed T5 layers (``full``, ``nth:N``, ``last:N``, ``Recompute.layers``; the module
+    docstring says how each counts the stacks' written-out first blocks) are measured exact in
+    float32 and in a bfloat16 model with eager attention, non-reentrant. Refused: the reentrant
+    checkpoint (it makes the cross-attention's zero bias under ``no_grad``: a leaf of the
+    recomputation only: symmem would keep it and its ``.grad`` through the step, 2 x 1 x 4 x 8 x
+    16 x 4 = 4,096 bytes too many at a = 4, s_d = 8, s = 16 in float32, measured); autocast, and a bfloat16 model with SDPA (its
+    math kernel, on the CPU), where the measured step differs (the module docstring says by how
+    much). ``every:K`` is refused by :func:`symmem.passes.recompute.prepare` (K consecutive layers
+    would join a written-out block to the repeated ones). CUDA's mem-efficient kernel is derived,
+    not measured, in every precision."""
     sdpa = any(n.op == "bias_mask" for g in graph.graphs() for n in g.items if hasattr(n, "op"))
-    if policy.recompute.mode != "full":      # each stack's first block is written out: not cut by layer ranges
-        raise ConfigError("recompute", str(policy.recompute), "full for T5 (every layer checkpointed, as "
-                          "transformers' gradient checkpointing does; layer ranges and every:K are not modelled)",
-                          "Use --recompute full, or leave recompute out.")
+    if policy.recompute.reentrant:
+        raise ConfigError("recompute", str(policy.recompute), "the non-reentrant checkpoint for T5 (reentrant: "
+                          "the cross-attention's zero bias is made under no_grad, a leaf of each recomputation; "
+                          "not modelled)", "Drop ,reentrant (transformers' default is non-reentrant), or leave "
+                          "recompute out.")
     if policy.prec.autocast:
         raise ConfigError("recompute", str(policy.recompute), f"none (or a precision other than {policy.precision}) "
                           "for T5: checkpointed T5 layers are not modelled exactly under autocast",

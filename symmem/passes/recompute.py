@@ -39,7 +39,7 @@ from ..errors import ConfigError, UnknownName
 from ..graph import Graph
 from ..plan import (AUTOGRAD, CACHE, CHECKPOINT, LOCAL, Backward, Begin, Compute, End, Free, Hold, Key, Mark,
                     Plan, Release)
-from .regions import check_full_only
+from .regions import check_full_only, first_layer, mark_first_layer
 
 __all__ = ["prepare", "apply", "regions"]
 
@@ -51,7 +51,10 @@ def prepare(graph: Graph, policy) -> Graph:
     """The graph the regions are cut from: K layers per iteration for ``every:K`` and
     ``nth:K`` (whose regions are the first layer of each iteration). (For
     ``last:N`` and ``layers``, :mod:`symmem.passes.regions` has split each repeated block where
-    the recomputed layers start and end and annotated their part ``checkpoint=True``.)"""
+    the recomputed layers start and end and annotated their part ``checkpoint=True``.) A block
+    whose layer 0 is written out (``first_layer_of``, T5's stacks) counts it under ``nth:N``:
+    it is marked ``checkpoint=True``, the block's iterations are layers 1 to count (the first
+    N - 1 kept, the others grouped N at a time); ``every:K`` is refused there."""
     spec = policy.recompute
     if spec.mode not in ("none", "nodes", "selective"):
         graph = _grad_when_checkpointed(graph, policy)
@@ -66,12 +69,34 @@ def prepare(graph: Graph, policy) -> Graph:
         raise ConfigError("recompute", str(spec), "a model with a repeated block of layers",
                           "Use Recompute.layers(...) or Recompute.nodes(...) on an unrolled graph.")
     for rep in graph.layer_blocks():
-        bound = sp.sympify(sp.sympify(rep.count).xreplace(graph.bindings))
+        lead = first_layer(graph, rep.name)
+        if lead and spec.mode == "every":
+            raise ConfigError("recompute", str(spec), f"full or nth:N for {graph.name!r}: layer 0 of block "
+                              f"{rep.name!r} is written out, so K consecutive layers are not one block's "
+                              "iterations (every:K is not modelled)", "Use --recompute full, or nth:N.")
+        count = sp.expand(rep.count + 1) if lead else sp.sympify(rep.count)
+        bound = sp.sympify(count.xreplace(graph.bindings))
         if bound.is_Integer and int(bound) % spec.k:
             divisors = [f"{spec.mode}:{d}" for d in range(1, int(bound) + 1) if int(bound) % d == 0]
             raise ConfigError("recompute", str(spec), f"{spec.mode}:K with K dividing the {bound} layers of block "
-                              f"{rep.name!r}", f"For example {', '.join(divisors)}.")
-        graph = graph.grouped(rep.name, spec.k)
+                              f"{rep.name!r}" + (" (its written-out first layer included)" if lead else ""),
+                              f"For example {', '.join(divisors)}.")
+        if not lead:
+            graph = graph.grouped(rep.name, spec.k)
+            continue
+        # nth:N with layer 0 written out (checkpointed, one region) and the block's iterations
+        # layers 1 to count: layers 1 to N - 1 keep their activations, the rest (a multiple of
+        # N) grouped N at a time, the first of each group checkpointed
+        graph = mark_first_layer(graph, rep.name)
+        if spec.k == 1:
+            graph = graph.grouped(rep.name, 1)
+        elif bound == spec.k:      # layer 0 only: the formulas hold for N layers, no more
+            why = f"nth:{spec.k} checkpoints layer 0 of block {rep.name!r} alone: the formulas hold for {spec.k} layers"
+            graph.require(count, spec.k, why)
+            graph.require(spec.k, count, why)
+        else:
+            graph = graph.split_layers(rep.name, [spec.k - 1])
+            graph = graph.grouped(graph.part_name(rep.name, spec.k - 1, rep.count, rep.count), spec.k)
     return graph
 
 
@@ -114,8 +139,13 @@ def regions(plan: Plan, graph: Graph, spec) -> list[list[int]]:
                               f"({TAG[0]}={TAG[1]!r})", "Use recompute=full, or Recompute.nodes(...).")
         return _runs(fwd, layer, lambda e: e.node in tagged)
     if spec.mode == "nth":     # the first layer of each group of N (prepare grouped them)
-        return _runs(fwd, layer, lambda e: layer[id(e)] is not None and isinstance(layer[id(e)][0], str)
-                     and e.node.startswith(f"{layer[id(e)][0]}/0/"))
+        def first(e):          # (or a written-out layer 0 prepare marked)
+            node = nodes.get(e.node)
+            if node is not None and node.attr("layer") is not None and node.attr("checkpoint") is True:
+                return True
+            return layer[id(e)] is not None and isinstance(layer[id(e)][0], str) and bool(layer[id(e)][0]) \
+                and e.node.startswith(f"{layer[id(e)][0]}/0/")
+        return _runs(fwd, layer, first)
     marked = {rep.name for rep in graph.layer_blocks() if spec.mode in ("full", "every") or rep.layers_with("checkpoint")}
 
     def chosen(e):

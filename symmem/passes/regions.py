@@ -12,6 +12,11 @@ then a requirement), and marks each part with what holds for its layers:
 - ``unquantized=True`` on its nodes, left in the model's dtype by the quantize pass;
 - ``fp32=True`` on its nodes, run with autocast off (:mod:`symmem.passes.keep_fp32`).
 
+A block may have its layer 0 written out before it (T5: each stack's first block, which
+computes the position bias; its nodes carry ``first_layer_of=<block>``, :func:`first_layer`):
+``recompute``'s ranges then count that layer as layer 0 and the block's iterations as layers
+1 to count, and mark its nodes ``checkpoint=True`` where the range holds it.
+
 Splitting once lets the ranges combine (the first layer kept out of 4 bits while every
 layer but the last two is recomputed). :func:`in_module` is how a module name selects nodes.
 """
@@ -25,7 +30,7 @@ import sympy as sp
 from ..errors import ConfigError
 from ..graph import Graph
 
-__all__ = ["prepare", "apply", "in_module", "module_names", "mark"]
+__all__ = ["prepare", "apply", "in_module", "module_names", "mark", "first_layer"]
 
 #: the node attribute each region field sets on the layers it names
 ATTRS = {"quantize_skip": "unquantized", "keep_fp32": "fp32"}
@@ -61,6 +66,16 @@ def mark(graph: Graph, chosen, **attrs) -> Graph:
     return graph.rewritten(rewrite)
 
 
+def first_layer(graph: Graph, block: str) -> bool:
+    """Is layer 0 of ``block`` written out before it (nodes with ``first_layer_of=block``)?"""
+    return any(n.attr("first_layer_of") == block for n in graph.items if hasattr(n, "op"))
+
+
+def mark_first_layer(graph: Graph, block: str) -> Graph:
+    """The graph with the written-out layer 0 of ``block`` marked ``checkpoint=True``."""
+    return mark(graph, lambda node: node.attr("first_layer_of") == block, checkpoint=True)
+
+
 def _ranges(policy) -> list:
     """(field, item) of every layer range the policy names."""
     out = [(f, item) for f in ATTRS for item in (getattr(policy, f) or ()) if ":" in item]
@@ -72,7 +87,7 @@ def _ranges(policy) -> list:
 def _span(field: str, item: str, policy, n, bound, block: str, bindings: dict):
     """(start, stop) of the layers ``item`` of ``field`` names in a block of ``n`` layers
     (``bound``: ``n`` at the model's bindings, a number or an expression); None where it
-    names no layer apart."""
+    names no layer apart. (For a block with a written-out layer 0, ``n`` and ``bound`` count it.)"""
     numeric = bound.is_number
     if field == "recompute":
         spec = policy.recompute
@@ -127,8 +142,26 @@ def _split(graph: Graph, rep, ranges, policy) -> Graph:
         v = sp.sympify(sp.sympify(x).xreplace(graph.bindings))
         return v if v.is_number else v.xreplace({sym: 10 ** 9 for sym in v.free_symbols})
 
-    spans = [(f, s) for f, item in ranges
-             if (s := _span(f, item, policy, n, bound, rep.name, graph.bindings)) is not None]
+    if first_layer(graph, rep.name):       # layer 0 written out: the ranges count it, the block is 1..n
+        spans, rep_graph = [], graph
+        for f, item in ranges:
+            if f != "recompute":
+                raise ConfigError(f, item, f"a layer range of a block without a written-out first layer "
+                                  f"({rep.name!r} has one)", "Name modules instead.")
+            s_ = _span(f, item, policy, sp.expand(n + 1), bound + 1, rep.name, graph.bindings)
+            if s_ is None:
+                continue
+            if at(s_[0]) == 0:
+                graph = mark_first_layer(graph, rep.name)
+            lo, hi = (sp.Integer(max(int(s_[0]) - 1, 0)), sp.expand(s_[1] - 1))
+            if at(lo) < at(hi):
+                spans.append((f, (lo, hi)))
+            elif not (hi - lo).is_number:      # layer 0 alone: the formulas hold while no other is in range
+                graph = graph.rewritten(lambda node, sub: False) if graph is rep_graph else graph
+                graph.require(hi, lo, f"{item} checkpoints layer 0 of block {rep.name!r} alone")
+    else:
+        spans = [(f, s) for f, item in ranges
+                 if (s := _span(f, item, policy, n, bound, rep.name, graph.bindings)) is not None]
     if not spans:
         return graph
     top = at(n)
