@@ -202,6 +202,47 @@ def test_t5_partial_recompute_exact(point, spec, attention, ff, precision, block
     assert_t5_step_exact(est, model, ids, labels, precision, "adamw")
 
 
+SELECTIVE = [
+    # point, attention, feed_forward_proj, precision
+    (POINTS[0], "eager", "relu", "fp32"),
+    (POINTS[2], "eager", "gated-gelu", "bf16-mixed"),
+    (POINTS[0], "eager", "relu", "bf16"),
+    (POINTS[3], "sdpa", "gated-gelu", "fp32"),
+]
+
+
+@pytest.mark.parametrize("point,attention,ff,precision", SELECTIVE,
+                         ids=[f"b{pt[0]}-L{pt[7]}.{pt[8]}-{at}-{ff}-{pr}" for pt, at, ff, pr in SELECTIVE])
+def test_t5_selective_exact(point, attention, ff, precision, monkeypatch):
+    """``selective`` against T5's attention function (eager's, or SDPA's, which makes the bias its
+    mask) run in a non-reentrant ``torch.utils.checkpoint`` with q, k, v, the mask and the
+    position bias as its arguments: the checkpoint keeps them (the bias, one tensor per stack
+    and the cross-attention's zeros, counted once each); no block is checkpointed, so the zero
+    bias needs no gradient. Bytes saved, the peak, its phase and every phase's maximum."""
+    from transformers.models.t5 import modeling_t5
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    b, s, s_d, h, f, a, d_kv, L, L_d, V = point
+    cfg, model = hf_t5(point, attention, feed_forward_proj=ff, dropout_rate=0.1)
+    core = modeling_t5.eager_attention_forward if attention == "eager" else ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def checkpointed_core(module, q, k, v, mask, position_bias=None, **kwargs):
+        def fn(q, k, v, mask, position_bias):
+            return core(module, q, k, v, mask, position_bias=position_bias, **kwargs)
+        return torch.utils.checkpoint.checkpoint(fn, q, k, v, mask, position_bias, use_reentrant=False)
+    if attention == "eager":
+        monkeypatch.setattr(modeling_t5, "eager_attention_forward", checkpointed_core)
+    else:
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", checkpointed_core)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    est = sm.estimate(graph_of(cfg), sm.Policy(precision, "adamw", "cpu", "for-loop", recompute="selective"))
+    if b == 1:
+        est = est.at_one
+    ids = torch.randint(0, V, (b, s))
+    labels = torch.randint(0, V, (b, s_d))
+    assert_t5_step_exact(est, model, ids, labels, precision, "adamw")
+
+
 def test_partial_modes_count_the_first_block():
     """The written-out first block is layer 0 of its stack: at four layers, nth:4 and last:3
     checkpoint it alone (the same step), layers(0, 1) too, and layers(1) every block but it;
@@ -231,6 +272,8 @@ def test_partial_modes_count_the_first_block():
     ("nth:2", "bf16-mixed", "eager", "not modelled exactly under autocast"),
     ("full", "bf16", "sdpa", "expected eager attention for a T5 model in bf16 with checkpointed layers"),
     ("last:1", "bf16", "sdpa", "expected eager attention for a T5 model in bf16 with checkpointed layers"),
+    ("selective", "bf16-mixed", "sdpa", "expected eager attention for a T5 model in bf16-mixed with "
+     "checkpointed layers or attention"),
 ])
 def test_recompute_refused_where_not_exact(spec, precision, attention, words):
     """Checkpointed T5 layers under autocast and in a bfloat16 model with SDPA are refused,
@@ -251,14 +294,14 @@ def test_recompute_refused_where_not_exact(spec, precision, attention, words):
      "layer included)", "For example nth:1, nth:2, nth:3, nth:6."),
     ("last:7", "expected last:N with N at most the 6 layers of block 'encoder/blocks'", "Keep fewer layers"),
     ("full,reentrant", "expected the non-reentrant checkpoint for T5", "Drop ,reentrant"),
-    ("selective", "expected a model that tags its attention core", "Use recompute=full"),
+    ("selective,reentrant", "expected the non-reentrant checkpoint for T5", "Drop ,reentrant"),
 ])
 def test_recompute_modes_refused(mode, words, fix):
     """What stays refused for T5 (six layers in each stack): every:K (its regions would join the
     written-out first block to repeated ones), nth:N with N not dividing a stack's layers, a
     range past them, the reentrant checkpoint (the cross-attention's zero bias made under
-    no_grad: measured 4,096 bytes off in backward and the optimizer step with full,reentrant),
-    selective (T5's attention core is not tagged)."""
+    no_grad: measured 4,096 bytes off in backward and the optimizer step with full,reentrant;
+    selective,reentrant 6,144 bytes off in backward)."""
     with pytest.raises(ConfigError) as e:
         sm.estimate("t5-small", sm.Policy("fp32", "adamw", "cpu", attention="eager", recompute=mode))
     text = str(e.value)

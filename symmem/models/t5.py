@@ -52,9 +52,14 @@ block counted as its layer 0 (the ``first_layer_of`` attribute, :mod:`symmem.pas
 * ``last:N`` and ``Recompute.layers(a, z)``: in each stack, blocks 0 to L - N - 1 (a to z - 1)
   checkpointed, block 0 being the written-out one (measured: transformers' checkpointing with
   ``gradient_checkpointing`` switched off on the other blocks of each stack);
+* ``selective``: the attention function (``eager_attention_forward``, or
+  ``sdpa_attention_forward``, which makes the bias SDPA's mask) checkpointed with q, k, v, the
+  mask and the position bias as its arguments (measured: the function patched to run in
+  ``torch.utils.checkpoint``), in float32, and with eager attention in a bfloat16 model and
+  under autocast too; no block is checkpointed, so the cross-attention's zero bias needs no
+  gradient;
 * ``every:K`` (K blocks as one region) would join the written-out block to repeated ones:
-  refused, as are ``selective`` (T5's attention core is not tagged) and the reentrant checkpoint
-  (:func:`refuse_checkpointing`).
+  refused, as is the reentrant checkpoint (:func:`refuse_checkpointing`).
 
 ``T5Block`` is a ``GradientCheckpointingLayer`` called with positional arguments
 (hidden states, mask, position bias, encoder states, encoder mask, cross bias) and ``cache`` bound
@@ -65,14 +70,17 @@ by ``functools.partial``; so
   its output, and every later block's checkpoint keeps it as an argument until that block's
   backward;
 * ``T5Attention`` (its ``gradient_checkpointing`` flag set too, in every block whichever blocks
-  are checkpointed) makes the cross-attention's zero bias with ``requires_grad = True``: a leaf whose (1, a, s_d, s) gradient, summed over the decoder
-  blocks, AccumulateGrad keeps as its ``.grad``, the graph keeping both through the optimizer step
+  are checkpointed) makes the cross-attention's zero bias with ``requires_grad = True``: a leaf
+  whose (1, a, s_d, s) gradient, summed over the decoder blocks, AccumulateGrad keeps as its
+  ``.grad``, the graph keeping both through the optimizer step
   (the ``zeros_bias`` node's ``grad_when_checkpointed``, set by :mod:`symmem.passes.recompute`);
 * ``T5DenseGatedActDense``'s ``hidden_gelu`` and ``hidden_linear`` are Python locals until
   ``wo`` returns (the product saves them anyway, unless checkpointed).
 
-Under autocast and in a bfloat16 model with SDPA the measured step differs, and those
-combinations are refused in every recompute mode (:func:`refuse_checkpointing`): under bfloat16 autocast the first
+Under autocast (layers checkpointed) and in a bfloat16 model with SDPA (any recompute mode; with
+``selective`` a bfloat16 model or autocast holds 2,048 bytes more in the recomputed attention's
+backward than symmem counts at b = 2, s = 16, s_d = 8, a = 4) the measured step differs, and
+those combinations are refused (:func:`refuse_checkpointing`): under bfloat16 autocast the first
 encoder block's recomputation holds 16,384 bytes more than symmem counts (eager; 8,192 with
 SDPA; at b = 2, s = 16, d_model = 32, d_ff = 64), in part the block's Python locals that the
 recomputation keeps again (T5LayerNorm's float32 output while q, k and v run: 4,096), which
@@ -214,9 +222,12 @@ def build_t5(cfg: T5Config) -> Graph:
                 bias = g.add("zeros_bias", q, k, grad_when_checkpointed=True, checkpoint_check=refuse_checkpointing,
                              name=f"{pre}{sub}/position_bias")
             mode = "causal" if decoder and mod == "SelfAttention" else "contiguous"
-            z = g.add("attention", q, k, v, bias, *masks, dropout=p, causal=False, probs_like="keep",
-                      kernels=("eager", "math", "mem-efficient"), bias_mask=mode, returns_after=f"{pre}{sub}/merge",
-                      weights_until=until, name=f"{pre}{sub}/context")
+            # the attention function (eager_attention_forward, or sdpa_attention_forward with the bias
+            # made its mask): what selective recomputation redoes
+            with g.scope(recompute="attention"):
+                z = g.add("attention", q, k, v, bias, *masks, dropout=p, causal=False, probs_like="keep",
+                          kernels=("eager", "math", "mem-efficient"), bias_mask=mode,
+                          returns_after=f"{pre}{sub}/merge", weights_until=until, name=f"{pre}{sub}/context")
             z = g.add("merge_heads", z, name=f"{pre}{sub}/merge")
             z = linear(f"{sub}.{mod}.o", z, inner, h)
             for v_ in (q, k, v):           # T5Attention's locals until it returns
@@ -312,28 +323,34 @@ def build_t5(cfg: T5Config) -> Graph:
 def refuse_checkpointing(graph: Graph, policy) -> None:
     """Checkpointed T5 layers (``full``, ``nth:N``, ``last:N``, ``Recompute.layers``; the module
     docstring says how each counts the stacks' written-out first blocks) are measured exact in
-    float32 and in a bfloat16 model with eager attention, non-reentrant. Refused: the reentrant
-    checkpoint (it makes the cross-attention's zero bias under ``no_grad``: a leaf of the
-    recomputation only: symmem would keep it and its ``.grad`` through the step, 2 x 1 x 4 x 8 x
-    16 x 4 = 4,096 bytes too many at a = 4, s_d = 8, s = 16 in float32, measured); autocast, and a bfloat16 model with SDPA (its
-    math kernel, on the CPU), where the measured step differs (the module docstring says by how
-    much). ``every:K`` is refused by :func:`symmem.passes.recompute.prepare` (K consecutive layers
-    would join a written-out block to the repeated ones). CUDA's mem-efficient kernel is derived,
-    not measured, in every precision."""
+    float32 and in a bfloat16 model with eager attention, non-reentrant; the attention function
+    checkpointed (``selective``) in float32, and with eager attention under autocast and in a
+    bfloat16 model too. Refused: the reentrant checkpoint (for layers it makes the
+    cross-attention's zero bias under ``no_grad``, a leaf of the recomputation only: symmem would
+    keep it and its ``.grad`` through the step, 2 x 1 x 4 x 8 x 16 x 4 = 4,096 bytes too many at
+    a = 4, s_d = 8, s = 16 in float32, measured with ``full,reentrant``; ``selective,reentrant``
+    holds 6,144 bytes more in backward than symmem counts, not located); checkpointed layers
+    under autocast, and any recomputation with SDPA (its math kernel, on the CPU) in bfloat16,
+    where the measured step differs (the module docstring says by how much). ``every:K`` is
+    refused by :func:`symmem.passes.recompute.prepare` (K consecutive layers would join a
+    written-out block to the repeated ones). CUDA's mem-efficient kernel is derived, not
+    measured, in every precision."""
     sdpa = any(n.op == "bias_mask" for g in graph.graphs() for n in g.items if hasattr(n, "op"))
+    selective = policy.recompute.mode == "selective"
     if policy.recompute.reentrant:
-        raise ConfigError("recompute", str(policy.recompute), "the non-reentrant checkpoint for T5 (reentrant: "
+        raise ConfigError("recompute", str(policy.recompute), "the non-reentrant checkpoint for T5 (reentrant, "
                           "the cross-attention's zero bias is made under no_grad, a leaf of each recomputation; "
-                          "not modelled)", "Drop ,reentrant (transformers' default is non-reentrant), or leave "
-                          "recompute out.")
-    if policy.prec.autocast:
+                          "selective,reentrant is not modelled either)", "Drop ,reentrant (transformers' default "
+                          "is non-reentrant), or leave recompute out.")
+    if policy.prec.autocast and not selective:
         raise ConfigError("recompute", str(policy.recompute), f"none (or a precision other than {policy.precision}) "
                           "for T5: checkpointed T5 layers are not modelled exactly under autocast",
-                          "Leave recompute out, or train in fp32 (or bf16 with --attention eager).")
+                          "Leave recompute out, use --recompute selective with --attention eager, or train in "
+                          "fp32 (or bf16 with --attention eager).")
     if sdpa and policy.prec.name != "fp32" and policy.device == "cpu":
         raise ConfigError("recompute", str(policy.recompute), "eager attention for a T5 model in "
-                          f"{policy.precision} with checkpointed layers (SDPA's math kernel is not modelled "
-                          "exactly there)", "Use --attention eager, train in fp32, or leave recompute out.")
+                          f"{policy.precision} with checkpointed layers or attention (SDPA's math kernel is not "
+                          "modelled exactly there)", "Use --attention eager, train in fp32, or leave recompute out.")
 
 
 def _t5(name, d_model, d_ff, layers, heads, d_kv, **extra):

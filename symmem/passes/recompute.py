@@ -56,7 +56,7 @@ def prepare(graph: Graph, policy) -> Graph:
     it is marked ``checkpoint=True``, the block's iterations are layers 1 to count (the first
     N - 1 kept, the others grouped N at a time); ``every:K`` is refused there."""
     spec = policy.recompute
-    if spec.mode not in ("none", "nodes", "selective"):
+    if spec.mode not in ("none", "nodes"):
         graph = _grad_when_checkpointed(graph, policy)
     check_full_only(graph, policy)
     if spec.mode not in ("none", "nodes") and not graph.checkpointing:
@@ -104,13 +104,16 @@ def _grad_when_checkpointed(graph: Graph, policy) -> Graph:
     """Nodes with ``grad_when_checkpointed=True`` get ``requires_grad=True``: a tensor the
     model's code makes a leaf that requires grad when its layers are checkpointed (T5's
     cross-attention zero bias: ``position_bias.requires_grad = True`` under
-    ``gradient_checkpointing``). Such a node's ``checkpoint_check`` (a function of the graph,
-    after the attention pass, and the policy) refuses what is not modelled."""
+    ``gradient_checkpointing``), not under ``selective`` (no layer checkpointed: the model's
+    flag stays off). Such a node's ``checkpoint_check`` (a function of the graph, after the
+    attention pass, and the policy) refuses what is not modelled, ``selective`` included."""
     marked = [n for n in _nodes(graph).values() if n.attr("grad_when_checkpointed")]
     if not marked:
         return graph
     for check in dict.fromkeys(n.attr("checkpoint_check") for n in marked if n.attr("checkpoint_check")):
         check(graph, policy)
+    if policy.recompute.mode == "selective":
+        return graph
 
     def rewrite(node, sub) -> bool:
         if not node.attr("grad_when_checkpointed"):
