@@ -38,8 +38,8 @@ are float16 models (``T5Block`` clamps float16 hidden states).
 
 ``recompute="full"`` is measured against transformers' activation checkpointing of every
 ``T5Block`` (``activation_checkpointing_enable()``, non-reentrant; ``tests/test_t5_measured.py``:
-float32 with eager attention and SDPA, a bfloat16 model with eager attention, ReLU and gated GELU,
-b = 1 to 3), and so are the modes that checkpoint some blocks, each stack's written-out first
+float32 and bfloat16 autocast with eager attention and SDPA, a bfloat16 model with eager
+attention, ReLU and gated GELU, b = 1 to 3), and so are the modes that checkpoint some blocks, each stack's written-out first
 block counted as its layer 0 (the ``first_layer_of`` attribute, :mod:`symmem.passes.regions`):
 
 * ``nth:N``: ``activation_checkpointing_enable(every_n_layers=N)``, which numbers the
@@ -77,15 +77,14 @@ by ``functools.partial``; so
 * ``T5DenseGatedActDense``'s ``hidden_gelu`` and ``hidden_linear`` are Python locals until
   ``wo`` returns (the product saves them anyway, unless checkpointed).
 
-Under autocast (layers checkpointed) and in a bfloat16 model with SDPA (any recompute mode; with
-``selective`` a bfloat16 model or autocast holds 2,048 bytes more in the recomputed attention's
-backward than symmem counts at b = 2, s = 16, s_d = 8, a = 4) the measured step differs, and
-those combinations are refused (:func:`refuse_checkpointing`): under bfloat16 autocast the first
-encoder block's recomputation holds 16,384 bytes more than symmem counts (eager; 8,192 with
-SDPA; at b = 2, s = 16, d_model = 32, d_ff = 64), in part the block's Python locals that the
-recomputation keeps again (T5LayerNorm's float32 output while q, k and v run: 4,096), which
-the recompute pass does not model; with SDPA in a bfloat16 model the forward holds 256 to 2,048
-bytes more in an encoder block's attention, not located.
+With SDPA on the CPU in a bfloat16 model (any recompute mode) and under autocast with
+``selective``, the measured step differs, and those combinations are refused
+(:func:`refuse_checkpointing`): in a bfloat16 model the forward holds 256 bytes more than symmem
+counts with every layer checkpointed (b = 2, s = 16, s_d = 8, d_model = 32, a = 4; 256 to 2,048
+at other points, in an encoder block's attention, not located), and with ``selective`` the
+recomputed attention's backward 2,048 more (a bfloat16 model or autocast, the same point).
+(Layers checkpointed under autocast, refused before the recompute pass kept the model's Python
+locals in a recomputation, are measured exact: eager and SDPA, ``full``, ``nth:2``, ``last:1``.)
 """
 from __future__ import annotations
 
@@ -323,18 +322,19 @@ def build_t5(cfg: T5Config) -> Graph:
 def refuse_checkpointing(graph: Graph, policy) -> None:
     """Checkpointed T5 layers (``full``, ``nth:N``, ``last:N``, ``Recompute.layers``; the module
     docstring says how each counts the stacks' written-out first blocks) are measured exact in
-    float32 and in a bfloat16 model with eager attention, non-reentrant; the attention function
-    checkpointed (``selective``) in float32, and with eager attention under autocast and in a
-    bfloat16 model too. Refused: the reentrant checkpoint (for layers it makes the
-    cross-attention's zero bias under ``no_grad``, a leaf of the recomputation only: symmem would
-    keep it and its ``.grad`` through the step, 2 x 1 x 4 x 8 x 16 x 4 = 4,096 bytes too many at
-    a = 4, s_d = 8, s = 16 in float32, measured with ``full,reentrant``; ``selective,reentrant``
-    holds 6,144 bytes more in backward than symmem counts, not located); checkpointed layers
-    under autocast, and any recomputation with SDPA (its math kernel, on the CPU) in bfloat16,
-    where the measured step differs (the module docstring says by how much). ``every:K`` is
-    refused by :func:`symmem.passes.recompute.prepare` (K consecutive layers would join a
-    written-out block to the repeated ones). CUDA's mem-efficient kernel is derived, not
-    measured, in every precision."""
+    float32 and under bfloat16 autocast with eager attention and SDPA, and in a bfloat16 model
+    with eager attention, non-reentrant; the attention function checkpointed (``selective``) in
+    float32, and with eager attention under autocast and in a bfloat16 model too. Refused: the
+    reentrant checkpoint (for layers it makes the cross-attention's zero bias under ``no_grad``,
+    a leaf of the recomputation only: symmem would keep it and its ``.grad`` through the step,
+    2 x 1 x 4 x 8 x 16 x 4 = 4,096 bytes too many at a = 4, s_d = 8, s = 16 in float32, measured
+    with ``full,reentrant``; ``selective,reentrant`` holds 6,144 bytes more in backward than
+    symmem counts, not located); SDPA (its math kernel, on the CPU) in a bfloat16 model with any
+    recomputation, and under autocast with ``selective``, where the measured step differs (the
+    module docstring says by how much). ``every:K`` is refused by
+    :func:`symmem.passes.recompute.prepare` (K consecutive layers would join a written-out block
+    to the repeated ones). CUDA's mem-efficient kernel is derived, not measured, in every
+    precision."""
     sdpa = any(n.op == "bias_mask" for g in graph.graphs() for n in g.items if hasattr(n, "op"))
     selective = policy.recompute.mode == "selective"
     if policy.recompute.reentrant:
@@ -342,15 +342,11 @@ def refuse_checkpointing(graph: Graph, policy) -> None:
                           "the cross-attention's zero bias is made under no_grad, a leaf of each recomputation; "
                           "selective,reentrant is not modelled either)", "Drop ,reentrant (transformers' default "
                           "is non-reentrant), or leave recompute out.")
-    if policy.prec.autocast and not selective:
-        raise ConfigError("recompute", str(policy.recompute), f"none (or a precision other than {policy.precision}) "
-                          "for T5: checkpointed T5 layers are not modelled exactly under autocast",
-                          "Leave recompute out, use --recompute selective with --attention eager, or train in "
-                          "fp32 (or bf16 with --attention eager).")
-    if sdpa and policy.prec.name != "fp32" and policy.device == "cpu":
-        raise ConfigError("recompute", str(policy.recompute), "eager attention for a T5 model in "
-                          f"{policy.precision} with checkpointed layers or attention (SDPA's math kernel is not "
-                          "modelled exactly there)", "Use --attention eager, train in fp32, or leave recompute out.")
+    if sdpa and policy.prec.name != "fp32" and policy.device == "cpu" and (selective or not policy.prec.autocast):
+        what = "checkpointed attention" if selective else "checkpointed layers"
+        raise ConfigError("recompute", str(policy.recompute), f"eager attention for a T5 model in "
+                          f"{policy.precision} with {what} (SDPA's math kernel is not modelled exactly there)",
+                          "Use --attention eager, train in fp32, or leave recompute out.")
 
 
 def _t5(name, d_model, d_ff, layers, heads, d_kv, **extra):
@@ -381,8 +377,8 @@ REQUIRED = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads")
 
 UNMODELLED = (
     Unmodelled("gradient_checkpointing", (False,),
-               "transformers then recomputes every block in backward: use --recompute full (float32, or "
-               "bfloat16 with eager attention)"),
+               "transformers then recomputes every block in backward: use --recompute full (float32 or "
+               "bf16-mixed, or bf16 with eager attention)"),
 )
 
 _DERIVED = "derived by transformers from feed_forward_proj, which symmem reads"
