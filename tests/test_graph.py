@@ -203,6 +203,25 @@ def test_layer_ranges_split_and_group_keep_the_parameters():
         assert sm.estimate(gg, policy).at(b=3, s=7).peak == sm.estimate(tt, policy).at(b=3, s=7).peak
 
 
+def test_split_part_outputs_are_its_body_values():
+    """A block whose body names its values other than after the block (T5's ``encoder/blocks``
+    runs ``encoder/block/...``): each part's outputs are values its own body copy defines
+    (they were once the block's name cut off the output's, a name no node had)."""
+    from symmem.graph import Graph
+    g = Graph("t", {L: 4})
+    x = g.input("x", (b, s, 8), dtype="float32", requires_grad=True)
+
+    def body(gb, y):
+        return gb.add("gelu", y, name="enc/block/act")
+    g.add("gelu", g.repeat(L, body, x, name="enc/blocks"), name="out")
+    split = g.split_layers("enc/blocks", [1])
+    for rep in split.repeats():
+        assert set(rep.output) <= {n.name for n in rep.body.items}
+        assert rep.output == (f"{rep.name}/block/act",)
+    policy = sm.Policy("fp32", "sgd", "cpu")
+    assert sm.estimate(split, policy).at(b=2, s=3).peak == sm.estimate(g, policy).at(b=2, s=3).peak
+
+
 def test_a_held_local_lives_until_its_node_ran():
     """``scale`` saves no tensor of its input's size, so the embedding dies once scaled;
     held (a Python local) until the head ran, its b*s*h*4 bytes are there at every point
