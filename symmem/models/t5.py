@@ -81,8 +81,11 @@ With SDPA on the CPU in a bfloat16 model (any recompute mode) and under autocast
 ``selective``, the measured step differs, and those combinations are refused
 (:func:`refuse_checkpointing`): in a bfloat16 model the forward holds 256 bytes more than symmem
 counts with every layer checkpointed (b = 2, s = 16, s_d = 8, d_model = 32, a = 4; 256 to 2,048
-at other points, in an encoder block's attention, not located), and with ``selective`` the
-recomputed attention's backward 2,048 more (a bfloat16 model or autocast, the same point).
+at other points, in an encoder block's attention), and with ``selective`` the recomputed
+attention's backward 2,048 more (a bfloat16 model or autocast, the same point). The forward's
+difference is in SDPA's math kernel, not in the recomputation: at the first encoder layer's
+softmax PyTorch holds 1,920 bytes more than symmem counts with no recomputation as well (461,008
+against 459,088 at that point), where the forward's peak lies elsewhere; not located further.
 (Layers checkpointed under autocast, refused before the recompute pass kept the model's Python
 locals in a recomputation, are measured exact: eager and SDPA, ``full``, ``nth:2``, ``last:1``.)
 """
