@@ -5,7 +5,7 @@ inputs; float32, bfloat16 autocast and a bfloat16 model; eager attention and SDP
 kernel with dropout is the math fallback, the position bias its float mask); transformers'
 activation checkpointing against ``recompute="full"``, ``nth:N``, ``last:N`` and
 ``Recompute.layers``, and its attention function checkpointed against ``selective`` (SDPA in a
-bfloat16 model refused, as are the reentrant checkpoint and ``every:K``). Parameters, bytes saved for backward, the training step's peak,
+bfloat16 model refused, as are ``selective,reentrant`` and ``every:K``). Parameters, bytes saved for backward, the training step's peak,
 its phase and every phase's maximum, to the byte.
 """
 import pytest
@@ -143,7 +143,7 @@ def test_t5_recomputed_exact(point, attention, ff, precision):
 
 
 def checkpoint_t5(model, spec):
-    """transformers' activation checkpointing of T5 (non-reentrant) as ``spec`` names it:
+    """transformers' activation checkpointing of T5 (reentrant where ``spec`` says) as ``spec`` names it:
     ``nth:N`` through ``every_n_layers=N`` (transformers numbers the blocks of both stacks in
     one count); ``last:N`` and ``Recompute.layers`` with ``gradient_checkpointing`` switched
     off on each stack's other blocks (block 0 the first, written out in symmem)."""
@@ -151,10 +151,11 @@ def checkpoint_t5(model, spec):
     from helpers import enable_checkpointing
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
+        kwargs = {"use_reentrant": True} if spec.reentrant else {}
         if spec.mode == "nth":
-            model.activation_checkpointing_enable(every_n_layers=spec.k)
+            model.activation_checkpointing_enable(kwargs or None, every_n_layers=spec.k)
         else:
-            enable_checkpointing(model)
+            enable_checkpointing(model, **kwargs)
     for stack in (model.encoder.block, model.decoder.block):
         n = len(stack)
         start, stop = {"full": (0, n), "nth": (0, n), "last": (0, n - spec.k)}.get(spec.mode, spec.span)
@@ -180,6 +181,11 @@ PARTIAL = [
     (SIX_FOUR, "last:2", "eager", "gated-gelu", "bf16", ([1, 1, 1, 1, 0, 0], [1, 1, 0, 0]), None),
     # every block but block 0 of each stack: the written-out block keeps its activations
     (POINTS[3], Recompute.layers(1), "eager", "relu", "fp32", ([0, 1, 1], [0, 1, 1]), None),
+    # reentrant: the zero bias's gradient made but no .grad kept (full,reentrant kept 4,096
+    # bytes too many before: the (1, 4, 8, 16) float32 bias and its gradient, 2 x 2,048)
+    (POINTS[0], "full,reentrant", "sdpa", "relu", "fp32", ([1, 1, 1], [1, 1, 1]), None),
+    (FOUR, "nth:2,reentrant", "eager", "relu", "fp32", ([1, 0, 1, 0], [1, 0, 1, 0]), None),
+    (FOUR, "last:1,reentrant", "eager", "relu", "bf16-mixed", ([1, 1, 1, 0], [1, 1, 1, 0]), None),
 ]
 
 
@@ -190,8 +196,8 @@ def test_t5_partial_recompute_exact(point, spec, attention, ff, precision, block
     and ``Recompute.layers`` against its checkpointing switched off on the other blocks, each
     stack's written-out first block counted as its layer 0 (``blocks``: which ones
     transformers checkpoints). The cross-attention's zero bias requires grad in every case
-    (T5Attention's flag is set in every block). Bytes saved, the peak, its phase and every
-    phase's maximum."""
+    (T5Attention's flag is set in every block), a leaf whose ``.grad`` is kept but under the
+    reentrant checkpoint. Bytes saved, the peak, its phase and every phase's maximum."""
     spec = Recompute.parse(spec)
     b, s, s_d, h, f, a, d_kv, L, L_d, V = point
     cfg, model = hf_t5(point, attention, feed_forward_proj=ff, dropout_rate=0.1)
@@ -300,15 +306,12 @@ def test_recompute_refused_where_not_exact(spec, precision, attention, words):
     ("nth:4", "expected nth:K with K dividing the 6 layers of block 'encoder/blocks' (its written-out first "
      "layer included)", "For example nth:1, nth:2, nth:3, nth:6."),
     ("last:7", "expected last:N with N at most the 6 layers of block 'encoder/blocks'", "Keep fewer layers"),
-    ("full,reentrant", "expected the non-reentrant checkpoint for T5", "Drop ,reentrant"),
-    ("selective,reentrant", "expected the non-reentrant checkpoint for T5", "Drop ,reentrant"),
+    ("selective,reentrant", "expected selective (non-reentrant) for T5", "Drop ,reentrant"),
 ])
 def test_recompute_modes_refused(mode, words, fix):
     """What stays refused for T5 (six layers in each stack): every:K (its regions would join the
     written-out first block to repeated ones), nth:N with N not dividing a stack's layers, a
-    range past them, the reentrant checkpoint (the cross-attention's zero bias made under
-    no_grad: measured 4,096 bytes off in backward and the optimizer step with full,reentrant;
-    selective,reentrant 6,144 bytes off in backward)."""
+    range past them, selective,reentrant (measured 6,144 bytes off in backward)."""
     with pytest.raises(ConfigError) as e:
         sm.estimate("t5-small", sm.Policy("fp32", "adamw", "cpu", attention="eager", recompute=mode))
     text = str(e.value)

@@ -59,7 +59,15 @@ block counted as its layer 0 (the ``first_layer_of`` attribute, :mod:`symmem.pas
   under autocast too; no block is checkpointed, so the cross-attention's zero bias needs no
   gradient;
 * ``every:K`` (K blocks as one region) would join the written-out block to repeated ones:
-  refused, as is the reentrant checkpoint (:func:`refuse_checkpointing`).
+  refused (as is ``selective,reentrant``, :func:`refuse_checkpointing`).
+
+The reentrant checkpoint (``,reentrant``) of the blocks runs them under ``no_grad``: the
+cross-attention's zero bias is then a leaf of each recomputation only, and what the later blocks
+receive is the first block's checkpoint's output, which requires grad. Its gradient, summed over
+the decoder's blocks, goes back into that checkpoint and no ``.grad`` is kept (the node's
+``grad_kept=False``): measured, ``full,reentrant`` kept it and its ``.grad`` as the non-reentrant
+checkpoint does, 2 x 1 x 4 x 8 x 16 x 4 = 4,096 bytes too many at a = 4, s_d = 8, s = 16 in
+float32 in backward and the optimizer step.
 
 ``T5Block`` is a ``GradientCheckpointingLayer`` called with positional arguments
 (hidden states, mask, position bias, encoder states, encoder mask, cross bias) and ``cache`` bound
@@ -326,13 +334,10 @@ def refuse_checkpointing(graph: Graph, policy) -> None:
     """Checkpointed T5 layers (``full``, ``nth:N``, ``last:N``, ``Recompute.layers``; the module
     docstring says how each counts the stacks' written-out first blocks) are measured exact in
     float32 and under bfloat16 autocast with eager attention and SDPA, and in a bfloat16 model
-    with eager attention, non-reentrant; the attention function checkpointed (``selective``) in
-    float32, and with eager attention under autocast and in a bfloat16 model too. Refused: the
-    reentrant checkpoint (for layers it makes the cross-attention's zero bias under ``no_grad``,
-    a leaf of the recomputation only: symmem would keep it and its ``.grad`` through the step,
-    2 x 1 x 4 x 8 x 16 x 4 = 4,096 bytes too many at a = 4, s_d = 8, s = 16 in float32, measured
-    with ``full,reentrant``; ``selective,reentrant`` holds 6,144 bytes more in backward than
-    symmem counts, not located); SDPA (its math kernel, on the CPU) in a bfloat16 model with any
+    with eager attention, non-reentrant and reentrant; the attention function checkpointed
+    (``selective``) in float32, and with eager attention under autocast and in a bfloat16 model
+    too, non-reentrant. Refused: ``selective,reentrant`` (it holds 6,144 bytes more in backward
+    than symmem counts at b = 2, s = 16, s_d = 8, a = 4 in float32, not located); SDPA (its math kernel, on the CPU) in a bfloat16 model with any
     recomputation, and under autocast with ``selective``, where the measured step differs (the
     module docstring says by how much). ``every:K`` is refused by
     :func:`symmem.passes.recompute.prepare` (K consecutive layers would join a written-out block
@@ -340,11 +345,10 @@ def refuse_checkpointing(graph: Graph, policy) -> None:
     precision."""
     sdpa = any(n.op == "bias_mask" for g in graph.graphs() for n in g.items if hasattr(n, "op"))
     selective = policy.recompute.mode == "selective"
-    if policy.recompute.reentrant:
-        raise ConfigError("recompute", str(policy.recompute), "the non-reentrant checkpoint for T5 (reentrant, "
-                          "the cross-attention's zero bias is made under no_grad, a leaf of each recomputation; "
-                          "selective,reentrant is not modelled either)", "Drop ,reentrant (transformers' default "
-                          "is non-reentrant), or leave recompute out.")
+    if policy.recompute.reentrant and selective:
+        raise ConfigError("recompute", str(policy.recompute), "selective (non-reentrant) for T5: the reentrant "
+                          "checkpoint of its attention function is not modelled exactly", "Drop ,reentrant, or "
+                          "checkpoint whole layers (--recompute full,reentrant).")
     if sdpa and policy.prec.name != "fp32" and policy.device == "cpu" and (selective or not policy.prec.autocast):
         what = "checkpointed attention" if selective else "checkpointed layers"
         raise ConfigError("recompute", str(policy.recompute), f"eager attention for a T5 model in "

@@ -104,7 +104,9 @@ def _grad_when_checkpointed(graph: Graph, policy) -> Graph:
     """Nodes with ``grad_when_checkpointed=True`` get ``requires_grad=True``: a tensor the
     model's code makes a leaf that requires grad when its layers are checkpointed (T5's
     cross-attention zero bias: ``position_bias.requires_grad = True`` under
-    ``gradient_checkpointing``), not under ``selective`` (no layer checkpointed: the model's
+    ``gradient_checkpointing``; with ``grad_kept=False`` under the reentrant checkpoint, which
+    makes the tensor under ``no_grad``: its gradient is made, but no ``.grad`` kept), not under
+    ``selective`` (no layer checkpointed: the model's
     flag stays off). Such a node's ``checkpoint_check`` (a function of the graph, after the
     attention pass, and the policy) refuses what is not modelled, ``selective`` included."""
     marked = [n for n in _nodes(graph).values() if n.attr("grad_when_checkpointed")]
@@ -118,7 +120,8 @@ def _grad_when_checkpointed(graph: Graph, policy) -> Graph:
     def rewrite(node, sub) -> bool:
         if not node.attr("grad_when_checkpointed"):
             return False
-        sub.items.append(replace(node, attrs=tuple(sorted({**dict(node.attrs), "requires_grad": True}.items()))))
+        extra = {"requires_grad": True, **({"grad_kept": False} if policy.recompute.reentrant else {})}
+        sub.items.append(replace(node, attrs=tuple(sorted({**dict(node.attrs), **extra}.items()))))
         return True
     return graph.rewritten(rewrite)
 

@@ -109,10 +109,14 @@ def zeros_bias_rule(node, ins, ctx):
     No gradient, but with attribute ``requires_grad`` (T5Attention under gradient
     checkpointing sets ``position_bias.requires_grad = True``): a leaf whose gradient,
     summed over the layers reading it, AccumulateGrad makes its ``.grad``; the graph keeps the
-    tensor (and so its gradient) as long as the training loop keeps the loss."""
+    tensor (and so its gradient) as long as the training loop keeps the loss. With
+    ``grad_kept=False`` (the reentrant checkpoint, which makes the tensor under ``no_grad``:
+    the later layers read the checkpoint's output) the gradient is made and summed as well, but
+    not kept: no leaf."""
     q, k = ins[:2]
-    leaf = bool(node.attr("requires_grad", False))
-    out = TensorInfo((sp.Integer(1), q.shape[1], q.shape[2], k.shape[2]), q.dtype, requires_grad=leaf)
+    grad = bool(node.attr("requires_grad", False))
+    leaf = grad and node.attr("grad_kept", True)
+    out = TensorInfo((sp.Integer(1), q.shape[1], q.shape[2], k.shape[2]), q.dtype, requires_grad=grad)
     saved = (Saved("the leaf (AccumulateGrad's variable)", "out", hooked=False, graph=True),) if leaf else ()
     return Footprint(out, saved=saved, grads=(None, None), leaf=leaf)
 
