@@ -310,9 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every layout symmem models that trains the model on the GPU (or budget)\n"
                     "at --seq and --global-batch: GPU counts 1, 2, 4, ... --max-gpus; tensor\n"
                     "parallelism with sequence parallelism (tp 1-8), 1F1B pipelines of 2, 4, ...\n"
-                    "--max-pp stages (interleaved over 2, 4, ... --max-v chunks a rank), context parallelism over 2, 4, ... --max-cp ranks, expert\n"
-                    "parallelism over 2, 4, ... --max-ep ranks, DDP, ZeRO\n"
-                    "1-3 or FSDP over the rest; no, selective or full\n"
+                    "--max-pp stages (interleaved over 2, 4, ... --max-v chunks a rank), context\n"
+                    "parallelism over 2, 4, ... --max-cp ranks, expert parallelism over 2, 4, ...\n"
+                    "--max-ep ranks, DDP, ZeRO 1-3 or FSDP over the rest; no, selective or full\n"
                     "recomputation; the largest micro-batch that fits, the rest accumulated (or run\n"
                     "through the pipeline). Fewest GPUs first, then the lowest peak.",
         formatter_class=argparse.RawDescriptionHelpFormatter)

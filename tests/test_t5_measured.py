@@ -5,8 +5,8 @@ inputs; float32, bfloat16 autocast and a bfloat16 model; eager attention and SDP
 kernel with dropout is the math fallback, the position bias its float mask); transformers'
 activation checkpointing against ``recompute="full"``, ``nth:N``, ``last:N`` and
 ``Recompute.layers``, and its attention function checkpointed against ``selective`` (SDPA in a
-bfloat16 model refused, as are ``selective,reentrant`` and ``every:K``). Parameters, bytes saved for backward, the training step's peak,
-its phase and every phase's maximum, to the byte.
+bfloat16 model refused, as are ``selective,reentrant`` and ``every:K``). Parameters, bytes
+saved for backward, the training step's peak, its phase and every phase's maximum, to the byte.
 """
 import pytest
 import sympy as sp

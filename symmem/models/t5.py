@@ -39,8 +39,9 @@ are float16 models (``T5Block`` clamps float16 hidden states).
 ``recompute="full"`` is measured against transformers' activation checkpointing of every
 ``T5Block`` (``activation_checkpointing_enable()``, non-reentrant; ``tests/test_t5_measured.py``:
 float32 and bfloat16 autocast with eager attention and SDPA, a bfloat16 model with eager
-attention, ReLU and gated GELU, b = 1 to 3), and so are the modes that checkpoint some blocks, each stack's written-out first
-block counted as its layer 0 (the ``first_layer_of`` attribute, :mod:`symmem.passes.regions`):
+attention, ReLU and gated GELU, b = 1 to 3), and so are the modes that checkpoint some
+blocks, each stack's written-out first block counted as its layer 0 (the ``first_layer_of``
+attribute, :mod:`symmem.passes.regions`):
 
 * ``nth:N``: ``activation_checkpointing_enable(every_n_layers=N)``, which numbers the
   ``GradientCheckpointingLayer`` modules in ``model.modules()`` order, the encoder's blocks 0 to
@@ -337,9 +338,10 @@ def refuse_checkpointing(graph: Graph, policy) -> None:
     with eager attention, non-reentrant and reentrant; the attention function checkpointed
     (``selective``) in float32, and with eager attention under autocast and in a bfloat16 model
     too, non-reentrant. Refused: ``selective,reentrant`` (it holds 6,144 bytes more in backward
-    than symmem counts at b = 2, s = 16, s_d = 8, a = 4 in float32, not located); SDPA (its math kernel, on the CPU) in a bfloat16 model with any
-    recomputation, and under autocast with ``selective``, where the measured step differs (the
-    module docstring says by how much). ``every:K`` is refused by
+    than symmem counts at b = 2, s = 16, s_d = 8, a = 4 in float32, not located); SDPA (its
+    math kernel, on the CPU) in a bfloat16 model with any recomputation, and under autocast
+    with ``selective``, where the measured step differs (the module docstring says by how
+    much). ``every:K`` is refused by
     :func:`symmem.passes.recompute.prepare` (K consecutive layers would join a written-out block
     to the repeated ones). CUDA's mem-efficient kernel is derived, not measured, in every
     precision."""
